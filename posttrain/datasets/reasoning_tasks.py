@@ -1,0 +1,154 @@
+"""Verifiable reasoning tasks generated at run time by the PyPI package `reasoning-gym`.
+
+Each task (basic_arithmetic, chain_sum, gsm_symbolic, ...) yields a question, its gold answer and a
+scorer (`score_answer(answer, entry) -> [0, 1]`). From those we build, with no download:
+- RL problems (question + gold answer + the name of the task whose scorer grades it),
+- chat SFT examples (user: question, assistant: gold answer),
+- preference comparisons: chosen = the gold answer (scored 1.0), rejected = a wrong answer of the same
+  form (a nearby number, scored 0.0 by the same scorer), so DPO has a real, checkable signal.
+
+Row ids are `reasoning_gym/<task>/seed<seed>/<index>`: the same task, seed and index always give the
+same question, so ids are stable across runs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from posttrain.datasets.mapping import final_number
+
+SOURCE_PREFIX = "reasoning_gym:"
+DEFAULT_TASKS = ("basic_arithmetic", "chain_sum", "gsm_symbolic")
+
+
+@dataclass(frozen=True)
+class TaskEntry:
+    task: str
+    seed: int
+    index: int
+    entry: dict[str, Any]
+
+    @property
+    def row_id(self) -> str:
+        return f"reasoning_gym/{self.task}/seed{self.seed}/{self.index}"
+
+
+def parse_tasks(source: str) -> tuple[str, ...]:
+    """"reasoning_gym:basic_arithmetic,chain_sum" -> the task names (all tasks by default)."""
+    names = source.removeprefix(SOURCE_PREFIX).strip()
+    tasks = tuple(t.strip() for t in names.split(",") if t.strip()) or DEFAULT_TASKS
+    known = _registered_tasks()
+    unknown = [t for t in tasks if t not in known]
+    if unknown:
+        raise ValueError(f"{source!r}: unknown reasoning-gym task(s) {unknown}; e.g. {', '.join(DEFAULT_TASKS)}")
+    return tasks
+
+
+def _registered_tasks() -> frozenset[str]:
+    from reasoning_gym.factory import DATASETS
+
+    return frozenset(DATASETS)
+
+
+def generate(tasks: tuple[str, ...], size: int, seed: int) -> Iterator[TaskEntry]:
+    """`size` entries spread evenly over the tasks, task by task."""
+    import reasoning_gym
+
+    for position, task in enumerate(tasks):
+        count = size // len(tasks) + (1 if position < size % len(tasks) else 0)
+        if count == 0:
+            continue
+        dataset = reasoning_gym.create_dataset(task, size=count, seed=seed)
+        for index in range(count):
+            yield TaskEntry(task=task, seed=seed, index=index, entry=dataset[index])
+
+
+@lru_cache(maxsize=None)
+def _scorer(task: str):
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(task)
+
+
+def score(task: str, answer: str | None, entry: dict[str, Any]) -> float:
+    """The task's own score for an answer (1.0 = correct)."""
+    return float(_scorer(task)(answer, entry))
+
+
+def scorer_metadata(entry: dict[str, Any]) -> str:
+    """What `score` needs to grade later, as JSON (tuples become lists; scorers only read values)."""
+    return json.dumps({"question": entry["question"], "answer": entry["answer"], "metadata": entry["metadata"]}, default=str)
+
+
+def score_problem(scorer: str, metadata_json: str, gold: str, response: str) -> float:
+    """Grade a response to an RL problem row by its `scorer` column."""
+    if scorer.startswith(SOURCE_PREFIX):
+        return score(scorer.removeprefix(SOURCE_PREFIX), response, json.loads(metadata_json))
+    if scorer == "exact_number":
+        return 1.0 if final_number(response) == gold else 0.0
+    if scorer == "exact_match":
+        return 1.0 if response.strip() == gold.strip() else 0.0
+    raise ValueError(f"unknown scorer {scorer!r}; expected reasoning_gym:<task>, exact_number or exact_match")
+
+
+def rl_row(item: TaskEntry) -> dict[str, Any]:
+    return {
+        "row_id": item.row_id,
+        "source": f"{SOURCE_PREFIX}{item.task}",
+        "task": item.task,
+        "question": item.entry["question"],
+        "answer": str(item.entry["answer"]),
+        "scorer": f"{SOURCE_PREFIX}{item.task}",
+        "scorer_metadata": scorer_metadata(item.entry),
+    }
+
+
+def chat_row(item: TaskEntry) -> dict[str, Any]:
+    return {
+        "row_id": item.row_id,
+        "source": f"{SOURCE_PREFIX}{item.task}",
+        "messages": [
+            {"role": "user", "content": item.entry["question"]},
+            {"role": "assistant", "content": str(item.entry["answer"])},
+        ],
+    }
+
+
+def wrong_answer(item: TaskEntry, rng: random.Random) -> str | None:
+    """A wrong answer of the same form as the gold one (a nearby number), confirmed wrong by the task's
+    scorer; None when the gold answer is not a number or no candidate scores 0."""
+    gold = str(item.entry["answer"]).strip()
+    if final_number(gold) != gold:
+        return None
+    value = float(gold)
+    is_integer = "." not in gold
+    offsets = [1, -1, 2, -2, 10, -10, 3, -3]
+    rng.shuffle(offsets)
+    for offset in offsets:
+        candidate = value + offset if is_integer else value + offset * 10 ** -len(gold.split(".")[1])
+        text = str(int(candidate)) if is_integer else f"{candidate:.{len(gold.split('.')[1])}f}"
+        if text != gold and score(item.task, text, item.entry) == 0.0:
+            return text
+    return None
+
+
+def comparison_row(item: TaskEntry, rng: random.Random) -> dict[str, Any] | None:
+    """chosen = verified gold answer, rejected = checked-wrong answer; None if either check fails."""
+    gold = str(item.entry["answer"])
+    if score(item.task, gold, item.entry) != 1.0:
+        return None
+    wrong = wrong_answer(item, rng)
+    if wrong is None:
+        return None
+    return {
+        "row_id": item.row_id,
+        "source": f"{SOURCE_PREFIX}{item.task}",
+        "prompt": [{"role": "user", "content": item.entry["question"]}],
+        "chosen": [{"role": "assistant", "content": gold}],
+        "rejected": [{"role": "assistant", "content": wrong}],
+    }

@@ -1,0 +1,159 @@
+"""The Tinker resource: every asset reaches Tinker through this, and gets a real ``tinker.ServiceClient``.
+
+There is one code path (ARCHITECTURE §1): the hosted service and the embedded localtinker server
+both speak the tinker SDK's HTTP protocol, so the resource only decides *which endpoint* the SDK
+talks to:
+
+- ``remote``: the hosted service (or any server at ``base_url``) with ``api_key``, which comes from
+  ``dg.EnvVar("TINKER_API_KEY")`` so the key never lands in run config, logs or metadata.
+- ``local``: an existing localtinker at ``base_url``, or, when none is given, an embedded localtinker
+  started once per process on loopback with a random per-process key, keeping checkpoints under
+  ``storage_dir`` so ``tinker://`` paths outlive the process (evaluation runs are separate processes).
+- ``auto`` (default): ``remote`` when an API key is configured, else ``local``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import tinker
+from pydantic import Field, PrivateAttr
+
+from resources.state import default_tinker_storage_dir
+
+DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+BACKENDS = ("auto", "local", "remote")
+# localtinker accepts any key when started without one; the SDK still insists on the ``tml-`` prefix.
+EXISTING_LOCAL_SERVER_KEY = "tml-local"
+
+
+@dataclass(frozen=True)
+class TinkerEndpoint:
+    """Where the SDK connects. ``api_key`` is a secret: use :meth:`describe` for anything shown."""
+
+    backend: str  # "local" | "remote"
+    base_url: str | None  # None = the SDK's default (hosted Tinker)
+    api_key: str | None
+    embedded: bool
+
+    def describe(self) -> dict[str, str]:
+        return {
+            "tinker_backend": self.backend,
+            "tinker_base_url": self.base_url or "hosted Tinker (SDK default)",
+            "tinker_embedded": str(self.embedded).lower(),
+        }
+
+
+class _EmbeddedServers:
+    """One in-process localtinker per (storage dir, dtype) for the life of the process.
+
+    Model weights take seconds to load, so every asset of a run shares the server; ``atexit``
+    stops them so worker threads do not outlive the interpreter's shutdown.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._servers: dict[tuple[str, str], tuple[Any, str]] = {}
+
+    def get(self, storage_dir: Path, dtype: str) -> tuple[str, str]:
+        key = (str(storage_dir), dtype)
+        with self._lock:
+            if key not in self._servers:
+                from localtinker.server import start_server  # heavy (torch); only when embedded
+
+                api_key = f"tml-{secrets.token_hex(16)}"
+                storage_dir.mkdir(parents=True, exist_ok=True)
+                server = start_server(storage_dir=storage_dir, dtype=dtype, api_key=api_key, host="127.0.0.1", port=0)
+                self._servers[key] = (server, api_key)
+            server, api_key = self._servers[key]
+            return server.base_url, api_key
+
+    def stop_all(self) -> None:
+        with self._lock:
+            servers, self._servers = list(self._servers.values()), {}
+        for server, _ in servers:
+            server.stop()
+
+
+EMBEDDED_SERVERS = _EmbeddedServers()
+atexit.register(EMBEDDED_SERVERS.stop_all)
+
+
+class TinkerResource(dg.ConfigurableResource):
+    """A real ``tinker.ServiceClient`` on the hosted service or on localtinker (see module docstring)."""
+
+    backend: str = Field(
+        default="auto",
+        description="auto | local | remote. auto = remote when an API key is configured, else local.",
+    )
+    base_url: str | None = Field(
+        default=None,
+        description="Server to talk to. Empty: hosted Tinker for remote, an embedded localtinker for local.",
+    )
+    api_key: str | None = Field(
+        default=None,
+        description="Tinker API key; set it with dg.EnvVar('TINKER_API_KEY') so it never appears in config.",
+    )
+    storage_dir: str | None = Field(
+        default=None,
+        description="Checkpoint storage of the embedded localtinker. Empty: <state dir>/tinker.",
+    )
+    base_model: str = Field(default=DEFAULT_BASE_MODEL, description="Base model used when an asset names none.")
+    local_dtype: str = Field(
+        default="bfloat16",
+        description="Precision of the embedded localtinker: bfloat16 (fast mixed precision) or float32 (exact).",
+    )
+
+    _client: tinker.ServiceClient | None = PrivateAttr(default=None)
+
+    def endpoint(self) -> TinkerEndpoint:
+        """Resolves the backend; starts the embedded server when that is what the config asks for."""
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"TinkerResource.backend={self.backend!r} is not one of {BACKENDS}; "
+                "fix the resource config in pipelines/definitions.py or the launchpad."
+            )
+        backend = self.backend
+        if backend == "auto":
+            backend = "remote" if self.api_key else "local"
+        if backend == "remote":
+            if not self.api_key:
+                raise ValueError(
+                    "TinkerResource.backend='remote' needs an API key: export TINKER_API_KEY=tml-... "
+                    "(read through dg.EnvVar), or use backend='local' for the embedded localtinker."
+                )
+            return TinkerEndpoint("remote", self.base_url, self.api_key, embedded=False)
+        os.environ.setdefault("TINKER_TELEMETRY", "0")  # offline machine: nothing to report to
+        if self.base_url:
+            return TinkerEndpoint("local", self.base_url, self.api_key or EXISTING_LOCAL_SERVER_KEY, embedded=False)
+        base_url, api_key = EMBEDDED_SERVERS.get(self.resolved_storage_dir(), self.local_dtype)
+        return TinkerEndpoint("local", base_url, api_key, embedded=True)
+
+    def resolved_storage_dir(self) -> Path:
+        return Path(self.storage_dir).expanduser().resolve() if self.storage_dir else default_tinker_storage_dir()
+
+    def get_client(self) -> tinker.ServiceClient:
+        """The ServiceClient for this run (one session, closed when the step ends)."""
+        if self._client is None:
+            endpoint = self.endpoint()
+            self._client = tinker.ServiceClient(base_url=endpoint.base_url, api_key=endpoint.api_key)
+        return self._client
+
+    def describe(self) -> dict[str, str]:
+        """Metadata/params that identify the backend; never contains the key."""
+        return {**self.endpoint().describe(), "tinker_default_base_model": self.base_model}
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            try:
+                client.close("success").result(timeout=30)
+            except Exception as error:  # the run's outcome is already decided; a failed goodbye must not flip it
+                context.log.warning(f"Closing the Tinker session failed: {error}")

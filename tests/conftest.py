@@ -1,0 +1,15 @@
+"""Shared fixtures live in tests/fixtures/<area>.py, one module per owner, loaded as plugins."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+os.environ.pop("TINKER_API_KEY", None) if os.environ.get("POSTTRAIN_REMOTE_TESTS") != "1" else None
+
+pytest_plugins = [
+    "tests.fixtures.models",
+    "tests.fixtures.server",
+    "tests.fixtures.data",
+    "tests.fixtures.dagster_env",
+]

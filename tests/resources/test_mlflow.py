@@ -1,0 +1,85 @@
+"""MlflowResource inside real Dagster materializations against a real sqlite MLflow store."""
+
+import dagster as dg
+import pytest
+from mlflow.entities import RunStatus
+
+from resources.mlflow import TAG_ASSET_KEY, TAG_DAGSTER_RUN_ID, TAG_PARTITION, MlflowResource
+
+PARTITIONS = dg.StaticPartitionsDefinition(["ckpt-a", "ckpt-b"])
+
+
+@dg.asset(partitions_def=PARTITIONS)
+def tracked(context: dg.AssetExecutionContext, mlflow: MlflowResource) -> dg.MaterializeResult:
+    with mlflow.start_run(context, run_name="tracked") as run:
+        run.log_params({"learning_rate": 1e-3, "batch_size": 4})
+        for step in range(3):
+            run.log_metrics({"loss": 3.0 - step, "loss:sum": 30.0 - step, "note": "skipped"}, step=step)
+        run.log_dataset("rendered_tokens", "/data/tokens.parquet", digest="d" * 64)
+        version = run.register_checkpoint(
+            "sft-test", "tinker://run-1/weights/000002", tags={"base_model": "tiny", "training_run": context.run.run_id}
+        )
+    return dg.MaterializeResult(
+        metadata={"mlflow_run": dg.MetadataValue.url(run.url), "model_version": version.version}
+    )
+
+
+@dg.asset
+def failing(context: dg.AssetExecutionContext, mlflow: MlflowResource) -> None:
+    with mlflow.start_run(context):
+        raise RuntimeError("training diverged")
+
+
+def test_one_tagged_run_per_materialization_with_metrics_datasets_and_model_version(mlflow_resource):
+    result = dg.materialize([tracked], partition_key="ckpt-b", resources={"mlflow": mlflow_resource})
+    assert result.success
+    client = mlflow_resource.get_client()
+    runs = client.search_runs([mlflow_resource.experiment_id(client)])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == RunStatus.to_string(RunStatus.FINISHED)
+    assert run.data.tags[TAG_DAGSTER_RUN_ID] == result.run_id
+    assert run.data.tags[TAG_ASSET_KEY] == "tracked"
+    assert run.data.tags[TAG_PARTITION] == "ckpt-b"
+    assert run.data.params == {"learning_rate": "0.001", "batch_size": "4"}
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "loss")] == [3.0, 2.0, 1.0]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss_sum")] == [0, 1, 2]
+    assert "note" not in run.data.metrics
+    (dataset_input,) = run.inputs.dataset_inputs
+    assert dataset_input.dataset.name == "rendered_tokens"
+    assert dataset_input.dataset.digest == "d" * 36
+    assert {t.key: t.value for t in dataset_input.tags}["dagster.data_version"] == "d" * 64
+    (version,) = client.search_model_versions("name='sft-test'")
+    assert version.source == "tinker://run-1/weights/000002"
+    assert version.run_id == run.info.run_id
+    assert version.tags == {"base_model": "tiny", "training_run": result.run_id}
+    url = result.asset_materializations_for_node("tracked")[0].metadata["mlflow_run"].value
+    assert url.endswith(f"/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}")
+
+
+def test_a_failing_step_marks_its_mlflow_run_failed(mlflow_resource):
+    result = dg.materialize([failing], resources={"mlflow": mlflow_resource}, raise_on_error=False)
+    assert not result.success
+    client = mlflow_resource.get_client()
+    (run,) = client.search_runs([mlflow_resource.experiment_id(client)])
+    assert run.info.status == RunStatus.to_string(RunStatus.FAILED)
+    assert TAG_PARTITION not in run.data.tags
+
+
+def test_secret_looking_params_are_refused(mlflow_resource):
+    @dg.asset
+    def leaky(context: dg.AssetExecutionContext, mlflow: MlflowResource) -> None:
+        with mlflow.start_run(context) as run:
+            with pytest.raises(ValueError, match="TINKER_API_KEY|api_key"):
+                run.log_params({"lr": 1, "tinker_api_key": "tml-secret"})
+
+    assert dg.materialize([leaky], resources={"mlflow": mlflow_resource}).success
+    client = mlflow_resource.get_client()
+    (run,) = client.search_runs([mlflow_resource.experiment_id(client)])
+    assert run.data.params == {}
+
+
+def test_default_store_is_sqlite_at_an_absolute_path_under_the_state_dir(project_state):
+    uri = MlflowResource().resolved_tracking_uri()
+    assert uri == f"sqlite:///{project_state.resolve() / 'mlflow' / 'mlflow.db'}"
+    assert uri.startswith("sqlite:////")

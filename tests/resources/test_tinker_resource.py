@@ -1,0 +1,69 @@
+"""TinkerResource: backend resolution, secrecy of the key, and a real embedded localtinker through the SDK."""
+
+import dagster as dg
+import pytest
+import tinker
+
+from resources.tinker import EMBEDDED_SERVERS, EXISTING_LOCAL_SERVER_KEY, TinkerResource
+
+SECRET = "tml-this-is-a-secret-key"
+
+
+def test_auto_is_remote_when_a_key_is_configured_and_describe_never_shows_it():
+    resource = TinkerResource(api_key=SECRET)
+    endpoint = resource.endpoint()
+    assert (endpoint.backend, endpoint.base_url, endpoint.api_key, endpoint.embedded) == ("remote", None, SECRET, False)
+    assert SECRET not in repr(resource.describe())
+    assert resource.describe()["tinker_backend"] == "remote"
+
+
+def test_auto_without_a_key_uses_an_existing_local_server_when_given_its_url():
+    endpoint = TinkerResource(base_url="http://127.0.0.1:8123").endpoint()
+    assert (endpoint.backend, endpoint.base_url, endpoint.api_key, endpoint.embedded) == (
+        "local",
+        "http://127.0.0.1:8123",
+        EXISTING_LOCAL_SERVER_KEY,
+        False,
+    )
+
+
+def test_remote_without_a_key_and_unknown_backends_fail_with_the_fix():
+    with pytest.raises(ValueError, match="TINKER_API_KEY"):
+        TinkerResource(backend="remote").endpoint()
+    with pytest.raises(ValueError, match="'auto', 'local', 'remote'"):
+        TinkerResource(backend="hosted").endpoint()
+
+
+def test_the_key_from_envvar_stays_out_of_run_config_logs_and_metadata(monkeypatch):
+    monkeypatch.setenv("TINKER_API_KEY", SECRET)
+
+    @dg.asset
+    def uses_tinker(context: dg.AssetExecutionContext, tinker_backend: TinkerResource) -> dg.MaterializeResult:
+        context.log.info(f"backend: {tinker_backend.describe()}")
+        assert tinker_backend.endpoint().api_key == SECRET
+        return dg.MaterializeResult(metadata=tinker_backend.describe())
+
+    instance = dg.DagsterInstance.ephemeral()
+    result = dg.materialize(
+        [uses_tinker], resources={"tinker_backend": TinkerResource(api_key=dg.EnvVar("TINKER_API_KEY"))}, instance=instance
+    )
+    assert result.success
+    stored = instance.get_run_by_id(result.run_id)
+    assert SECRET not in repr(stored.run_config)
+    events = instance.all_logs(result.run_id)
+    assert events and all(SECRET not in repr(event) for event in events)
+
+
+def test_embedded_localtinker_is_started_once_per_process_and_serves_the_real_sdk(tmp_path):
+    resource = TinkerResource(backend="local", storage_dir=str(tmp_path / "tinker"), local_dtype="float32")
+    first = resource.endpoint()
+    again = TinkerResource(backend="local", storage_dir=str(tmp_path / "tinker"), local_dtype="float32").endpoint()
+    try:
+        assert first.embedded and first.base_url.startswith("http://127.0.0.1:")
+        assert again.base_url == first.base_url
+        client = resource.get_client()
+        assert isinstance(client, tinker.ServiceClient)
+        models = {model.model_name for model in client.get_server_capabilities().supported_models}
+        assert "localtinker/tiny-random" in models
+    finally:
+        EMBEDDED_SERVERS.stop_all()
