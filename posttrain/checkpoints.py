@@ -181,8 +181,12 @@ def save_checkpoint(
     kind: str = "both",
     extra: dict[str, Any] | None = None,
     ttl_seconds: int | None = None,
+    commit: bool = True,
 ) -> CheckpointRecord:
     """Save state and/or sampler weights, wait for both, then commit the record to the log.
+
+    ``commit=False`` returns the record without appending it, for callers that must do something
+    (flush metrics) between "saved" and "recorded"; they then call :func:`append_checkpoint`.
 
     ``kind``: "state" (resumable: weights + optimizer), "sampler" (for sampling/eval) or "both".
     Both saves are submitted before either is awaited; they run after every op already submitted on
@@ -203,5 +207,6 @@ def save_checkpoint(
         sampler_path=sampler_future.result().path if sampler_future else None,
         extra=dict(extra or {}),
     )
-    append_checkpoint(log_dir, record)
+    if commit:
+        append_checkpoint(log_dir, record)
     return record

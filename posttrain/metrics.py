@@ -4,10 +4,11 @@ Trainers depend only on :class:`MetricsLogger`; the Dagster layer adds an MLflow
 ``resources/`` against the same protocol, so ``posttrain`` never imports MLflow.
 
 Exactly-once after a crash: the supervised trainer hands metrics to its loggers only when they are
-*committed* (after the checkpoint covering those steps is recorded, or at the end of the run), so a
-SIGKILL never leaves metrics for steps that the resumed run will redo. :class:`JsonlMetricsLogger` also
-drops any lines at or beyond the resume step (``truncate_from``), which makes its file exact even for a
-kill that lands between committing a checkpoint and flushing its metrics.
+*committed*, right before the checkpoint covering those steps is recorded, so a SIGKILL never leaves
+metrics of steps the resumed run will redo, except for a kill between that flush and the record. For
+that case a logger may implement ``truncate_from(step)`` (optional, not in the protocol): the trainer
+calls it when resuming at ``step``. :class:`JsonlMetricsLogger` implements it, so its file holds every
+step exactly once whatever the moment of the kill.
 """
 
 from __future__ import annotations
@@ -75,10 +76,10 @@ class ConsoleMetricsLogger:
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         now = time.monotonic()
-        if now - self._last < self.every_seconds:
+        shown = {key: metrics[key] for key in (self.keys or tuple(metrics)) if key in metrics}
+        if not shown or now - self._last < self.every_seconds:
             return
         self._last = now
-        shown = {key: metrics[key] for key in (self.keys or tuple(metrics)) if key in metrics}
         text = " ".join(f"{key}={_short(value)}" for key, value in shown.items())
         print(f"step {step}: {text}", file=self.stream, flush=True)
 

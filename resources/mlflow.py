@@ -15,6 +15,7 @@ Default store: sqlite at ``<state>/mlflow/mlflow.db`` with artifacts beside it (
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -41,7 +42,7 @@ TAG_DAGSTER_JOB = "dagster.job"
 TAG_ASSET_KEY = "dagster.asset_key"
 TAG_PARTITION = "dagster.partition"
 
-SECRET_NAME = re.compile(r"(api[_-]?key|token|secret|password|credential)", re.IGNORECASE)
+SECRET_NAME = re.compile(r"(api[_-]?key|secret|password|credential|access[_-]?token|auth[_-]?token|hf[_-]?token)", re.IGNORECASE)
 MAX_PARAM_CHARS = 6000  # MLflow rejects longer param values
 
 
@@ -144,8 +145,7 @@ class MlflowResource(dg.ConfigurableResource):
         return self.tracking_uri or default_mlflow_tracking_uri()
 
     def get_client(self) -> MlflowClient:
-        uri = self.resolved_tracking_uri()
-        return MlflowClient(tracking_uri=uri, registry_uri=uri)
+        return _client_for(self.resolved_tracking_uri())
 
     def experiment_id(self, client: MlflowClient) -> str:
         experiment = client.get_experiment_by_name(self.experiment_name)
@@ -191,6 +191,12 @@ class MlflowResource(dg.ConfigurableResource):
             client.set_terminated(handle.run_id, status=RunStatus.to_string(RunStatus.FAILED))
             raise
         client.set_terminated(handle.run_id, status=RunStatus.to_string(RunStatus.FINISHED))
+
+
+@functools.lru_cache(maxsize=8)
+def _client_for(uri: str) -> MlflowClient:
+    """One client per store and process: opening a sqlite store runs its schema check (~1.5 s)."""
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 def _asset_tags(context: dg.AssetExecutionContext | dg.OpExecutionContext) -> dict[str, str]:

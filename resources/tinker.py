@@ -15,6 +15,8 @@ talks to:
 from __future__ import annotations
 
 import atexit
+import hashlib
+import json
 import os
 import secrets
 import threading
@@ -49,6 +51,43 @@ class TinkerEndpoint:
             "tinker_base_url": self.base_url or "hosted Tinker (SDK default)",
             "tinker_embedded": str(self.embedded).lower(),
         }
+
+
+@dataclass(frozen=True)
+class BaseModelSource:
+    name: str
+    location: str  # a local directory, "hub:<id>", or "hosted Tinker"
+    weights_dir: str | None
+    digest: str  # sha256 hex
+
+
+def directory_digest(directory: Path) -> str:
+    """sha256 over (relative name, content) of every file; memoised by (name, size, mtime) per file."""
+    cache_path = directory / ".posttrain-digest.json"
+    files = sorted(path for path in directory.rglob("*") if path.is_file() and not path.name.startswith("."))
+    stamp = [[str(path.relative_to(directory)), path.stat().st_size, path.stat().st_mtime_ns] for path in files]
+    try:
+        cached = json.loads(cache_path.read_text())
+        if cached["stamp"] == stamp:
+            return cached["digest"]
+    except (OSError, ValueError, KeyError):
+        pass
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(str(path.relative_to(directory)).encode() + b"\0")
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 22), b""):
+                digest.update(block)
+    result = digest.hexdigest()
+    try:
+        cache_path.write_text(json.dumps({"stamp": stamp, "digest": result}))
+    except OSError:  # read-only model directory: recompute next time
+        pass
+    return result
+
+
+def _sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class _EmbeddedServers:
@@ -149,6 +188,23 @@ class TinkerResource(dg.ConfigurableResource):
     def describe(self) -> dict[str, str]:
         """Metadata/params that identify the backend; never contains the key."""
         return {**self.endpoint().describe(), "tinker_default_base_model": self.base_model}
+
+    def base_model_source(self, name: str | None = None) -> BaseModelSource:
+        """Which weights ``name`` means on this backend, and a content digest of them.
+
+        Local: the directory localtinker loads (packaged SmolLM2, the tiny test model, a local HF dir)
+        hashed file by file. Remote: the hosted service owns the weights; the digest identifies the name.
+        """
+        name = name or self.base_model
+        if self.endpoint().backend == "remote":
+            return BaseModelSource(name, "hosted Tinker", None, _sha256_text(f"hosted-tinker:{name}"))
+        from localtinker.engine.models import resolve_model_dir  # resolves packaged weights offline
+
+        location = resolve_model_dir(name)
+        weights_dir = Path(location)
+        if not weights_dir.is_dir():
+            return BaseModelSource(name, f"hub:{location}", None, _sha256_text(f"hub:{location}"))
+        return BaseModelSource(name, str(weights_dir), str(weights_dir), directory_digest(weights_dir))
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         if self._client is not None:

@@ -12,6 +12,7 @@ peft's internal adapter names, so checkpoints load into any adapter slot.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -70,7 +71,10 @@ class AdapterHost:
         )
         name = f"adapter{self._counter}"
         self._counter += 1
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            # peft warns that lm_head is tied to the embeddings; the LoRA delta is deliberately lm_head-only.
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+            warnings.filterwarnings("ignore", category=FutureWarning)
             torch.manual_seed(seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item()))
             if self._peft is None:
                 self._peft = get_peft_model(self.model, config, adapter_name=name)

@@ -127,6 +127,8 @@ def load_base_model(name: str, dtype: str) -> BaseModel:
             f"{SMOLLM2_NAME!r}, {TINY_RANDOM_NAME!r}, a local HF model directory, or a hub id on a machine "
             "with network access."
         ) from error
+    if DTYPES[dtype] != torch.float32:
+        _use_float32_head(model)
     model.eval()
     model.requires_grad_(False)
     config = model.config
@@ -140,6 +142,30 @@ def load_base_model(name: str, dtype: str) -> BaseModel:
         max_context_length=int(getattr(config, "max_position_embeddings", 2048)),
         arch=str(getattr(config, "model_type", "unknown")),
     )
+
+
+class Float32Head(torch.nn.Linear):
+    """The unembedding computed in float32 from (already rounded) low-precision hidden states.
+
+    bf16 logits are quantised to ~0.06 at typical magnitudes, which alone would make sampler and trainer
+    logprobs disagree by tenths; a float32 head costs one extra vocab × hidden copy and, on CPUs
+    without AMX, is also faster than the bf16 GEMM. Still an ``nn.Linear``, so peft can put LoRA on it.
+    """
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
+
+
+def _use_float32_head(model: torch.nn.Module) -> None:
+    head = model.get_output_embeddings()
+    if head is None or type(head) is not torch.nn.Linear:
+        return
+    float_head = Float32Head(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
+    float_head.weight = torch.nn.Parameter(head.weight.detach().float().clone(), requires_grad=False)
+    if head.bias is not None:
+        float_head.bias = torch.nn.Parameter(head.bias.detach().float().clone(), requires_grad=False)
+    model.set_output_embeddings(float_head)
+    model.config.tie_word_embeddings = False  # the head is now a separate float32 copy
 
 
 def _eos_token_ids(config: object, tokenizer: object) -> tuple[int, ...]:

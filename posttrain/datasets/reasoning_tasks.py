@@ -5,7 +5,7 @@ scorer (`score_answer(answer, entry) -> [0, 1]`). From those we build, with no d
 - RL problems (question + gold answer + the name of the task whose scorer grades it),
 - chat SFT examples (user: question, assistant: gold answer),
 - preference comparisons: chosen = the gold answer (scored 1.0), rejected = a wrong answer of the same
-  form (a nearby number, scored 0.0 by the same scorer), so DPO has a real, checkable signal.
+  form (a nearby number, scored as wrong by the same scorer), so DPO has a real, checkable signal.
 
 Row ids are `reasoning_gym/<task>/seed<seed>/<index>`: the same task, seed and index always give the
 same question, so ids are stable across runs.
@@ -21,9 +21,13 @@ from functools import lru_cache
 from typing import Any
 
 from posttrain.datasets.mapping import final_number
+from posttrain.datasets.problems import score_problem  # noqa: F401  (re-exported: eval code imports it from here)
 
 SOURCE_PREFIX = "reasoning_gym:"
 DEFAULT_TASKS = ("basic_arithmetic", "chain_sum", "gsm_symbolic")
+WRONG_SCORE_MAX = 0.1
+"""An answer counts as wrong when its task scores it at most this: some scorers give a little credit for
+a well-formed wrong number (gsm_symbolic gives 0.01), none give partial credit for a different value."""
 
 
 @dataclass(frozen=True)
@@ -85,17 +89,6 @@ def scorer_metadata(entry: dict[str, Any]) -> str:
     return json.dumps({"question": entry["question"], "answer": entry["answer"], "metadata": entry["metadata"]}, default=str)
 
 
-def score_problem(scorer: str, metadata_json: str, gold: str, response: str) -> float:
-    """Grade a response to an RL problem row by its `scorer` column."""
-    if scorer.startswith(SOURCE_PREFIX):
-        return score(scorer.removeprefix(SOURCE_PREFIX), response, json.loads(metadata_json))
-    if scorer == "exact_number":
-        return 1.0 if final_number(response) == gold else 0.0
-    if scorer == "exact_match":
-        return 1.0 if response.strip() == gold.strip() else 0.0
-    raise ValueError(f"unknown scorer {scorer!r}; expected reasoning_gym:<task>, exact_number or exact_match")
-
-
 def rl_row(item: TaskEntry) -> dict[str, Any]:
     return {
         "row_id": item.row_id,
@@ -121,7 +114,7 @@ def chat_row(item: TaskEntry) -> dict[str, Any]:
 
 def wrong_answer(item: TaskEntry, rng: random.Random) -> str | None:
     """A wrong answer of the same form as the gold one (a nearby number), confirmed wrong by the task's
-    scorer; None when the gold answer is not a number or no candidate scores 0."""
+    scorer; None when the gold answer is not a number or no candidate is scored wrong."""
     gold = str(item.entry["answer"]).strip()
     if final_number(gold) != gold:
         return None
@@ -132,7 +125,7 @@ def wrong_answer(item: TaskEntry, rng: random.Random) -> str | None:
     for offset in offsets:
         candidate = value + offset if is_integer else value + offset * 10 ** -len(gold.split(".")[1])
         text = str(int(candidate)) if is_integer else f"{candidate:.{len(gold.split('.')[1])}f}"
-        if text != gold and score(item.task, text, item.entry) == 0.0:
+        if text != gold and score(item.task, text, item.entry) <= WRONG_SCORE_MAX:
             return text
     return None
 

@@ -38,13 +38,13 @@ class SkipLog:
         """Raise the error, or record it when skipping is allowed."""
         if not self.skip_bad_rows:
             raise error
+        self.record(str(error))
+
+    def record(self, description: str) -> None:
+        """Count one dropped row, keeping the first few descriptions as samples."""
         self.count += 1
         if len(self.samples) < MAX_SKIP_SAMPLES:
-            self.samples.append(str(error))
-
-    def merge(self, other: SkipLog) -> None:
-        self.count += other.count
-        self.samples.extend(other.samples[: MAX_SKIP_SAMPLES - len(self.samples)])
+            self.samples.append(description)
 
 
 def normalize_message(value: Any, where: str) -> dict[str, str]:

@@ -156,10 +156,6 @@ def validate_table(table: pa.Table, expected: pa.Schema) -> None:
         raise SchemaMismatch(f"table does not match the {name!r} schema: " + "; ".join(problems))
 
 
-def empty_table(schema: pa.Schema) -> pa.Table:
-    return schema.empty_table()
-
-
 def table_from_rows(rows: list[dict], schema: pa.Schema) -> pa.Table:
     """Build a table from row dicts with the exact schema (types enforced by Arrow, not guessed)."""
     return pa.Table.from_pylist(rows, schema=schema)

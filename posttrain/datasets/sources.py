@@ -15,6 +15,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +70,7 @@ def iter_raw_rows(
             yield from _iter_jsonl(path, limit, skip)
             return
         if path.name.endswith(PARQUET_SUFFIXES):
-            dataset = _load("parquet", data_files=str(path), split="train", what=str(path))
+            dataset = _load_uncached("parquet", data_files=str(path), split="train", what=str(path))
             yield from _iter_dataset(dataset, path.name, limit)
             return
         raise SourceNotFoundError(
@@ -78,8 +79,18 @@ def iter_raw_rows(
     if is_local_path(source) and not path.exists():
         raise SourceNotFoundError(f"{path}: no such file or directory")
     location = str(path) if path.is_dir() else (mirror_dir(source) or source)
-    dataset = _load(str(location), name=config_name, split=split, what=source)
-    yield from _iter_dataset(dataset, f"{source}[{split}]", limit)
+    label = f"{source}[{split}]"
+    if limit is not None:
+        # Streaming reads only the first shard(s) needed for `limit` rows instead of the whole dataset.
+        stream = _load(str(location), name=config_name, split=split, what=source, streaming=True)
+        for index, record in enumerate(_guarded(stream.take(limit), source)):
+            yield RawRow(where=f"{label} row {index}", key=str(index), record=record)
+        return
+    if Path(location).is_dir():
+        dataset = _load_uncached(str(location), name=config_name, split=split, what=source)
+    else:
+        dataset = _load(str(location), name=config_name, split=split, what=source)
+    yield from _iter_dataset(dataset, label, limit)
 
 
 def _load(path: str, *, what: str, **kwargs: Any):
@@ -95,6 +106,24 @@ def _load(path: str, *, what: str, **kwargs: Any):
         ) from error
     except ValueError as error:
         raise SourceNotFoundError(f"{what}: {error}") from error
+
+
+def _load_uncached(path: str, *, what: str, **kwargs: Any):
+    """Local copies are read into memory through a throwaway cache: datasets' cache keys local files by
+    modification time alone and was seen to serve a stale table after a file was replaced."""
+    with tempfile.TemporaryDirectory(prefix="posttrain-datasets-") as cache_dir:
+        return _load(path, what=what, cache_dir=cache_dir, keep_in_memory=True, **kwargs)
+
+
+def _guarded(records: Iterator[dict[str, Any]], what: str) -> Iterator[dict[str, Any]]:
+    """Streamed records; a download or read error surfaces with the fix, like a failed load."""
+    try:
+        yield from records
+    except (FileNotFoundError, ConnectionError, OSError) as error:
+        raise SourceNotFoundError(
+            f"{what}: could not read the dataset ({type(error).__name__}: {error}). Offline, put a copy laid "
+            f"out like the hub repository at ${HUB_MIRROR_ENV}/<org>/<name>, or pass a local .jsonl/.parquet path."
+        ) from error
 
 
 def _iter_dataset(dataset, label: str, limit: int | None) -> Iterator[RawRow]:

@@ -1,15 +1,14 @@
 """Supervised training data as numbered batches: deterministic shuffling and resume index math.
 
-A :class:`SupervisedDataset` is random access by ``(epoch, batch_index)``, never a one-shot iterator,
-because resuming at optimizer step ``s`` must train exactly the batch that step ``s`` would have
-trained: ``epoch = s // num_batches``, ``batch_index = s % num_batches``, and the order inside an epoch
+Training data is random access (:class:`SupervisedData`: ``len`` + ``data_at(indices)``), never a
+one-shot iterator, because resuming at optimizer step ``s`` must train exactly the batch that step
+``s`` would have trained: ``epoch = s // num_batches``, ``batch_index = s % num_batches``, and the order inside an epoch
 is a permutation seeded by ``(seed, epoch)`` alone. Incomplete last batches are dropped (cookbook
 behaviour) so every step sees ``batch_size`` examples.
 
-Two sources: a list of ``tinker.Datum`` (:class:`DatumListDataset`) or an Arrow table with the data
-layer's rendered-token columns ``model_input``, ``target_tokens``, ``weights``
-(:class:`RenderedTokensDataset`; see ``posttrain.datasets.schemas.RENDERED_TOKENS``), converted to
-``Datum`` lazily per batch.
+Two sources: a list of ``tinker.Datum`` (:class:`DatumList`) or an Arrow table with the data layer's
+rendered-token columns ``model_input``, ``target_tokens``, ``weights`` (:class:`RenderedTokens`; see
+``posttrain.datasets.schemas.RENDERED_TOKENS``), converted to ``Datum`` lazily per batch.
 """
 
 from __future__ import annotations
@@ -22,16 +21,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import tinker
 
+from posttrain.datasets.schemas import TRAIN_SPLIT
+
 LossReduction = Literal["sum", "example_mean", "token_mean"]
 LOSS_REDUCTIONS: tuple[str, ...] = get_args(LossReduction)
 
 
-class SupervisedDataset(Protocol):
-    """Numbered batches of ``Datum``; ``get_batch`` must be a pure function of its arguments."""
+class SupervisedData(Protocol):
+    """Random-access training examples; the trainer decides the order (seeded shuffle) and batching."""
 
-    def num_batches(self) -> int: ...
+    def __len__(self) -> int: ...
 
-    def get_batch(self, epoch: int, batch_index: int) -> list[tinker.Datum]: ...
+    def data_at(self, indices: Sequence[int] | np.ndarray) -> list[tinker.Datum]: ...
 
 
 @dataclass(frozen=True)
@@ -122,32 +123,28 @@ def apply_loss_reduction(batch: list[tinker.Datum], reduction: str) -> list[tink
     ]
 
 
-class DatumListDataset:
-    """Batches over an in-memory list of ``Datum``, shuffled per epoch by ``seed``."""
+class DatumList:
+    """An in-memory list of ``Datum``."""
 
-    def __init__(self, data: Sequence[tinker.Datum], batch_size: int, seed: int = 0, shuffle: bool = True):
+    def __init__(self, data: Sequence[tinker.Datum]):
         self.data = list(data)
-        self.batch_size = batch_size
-        self.seed = seed
-        self.shuffle = shuffle
 
-    def num_batches(self) -> int:
-        return len(self.data) // self.batch_size
+    def __len__(self) -> int:
+        return len(self.data)
 
-    def get_batch(self, epoch: int, batch_index: int) -> list[tinker.Datum]:
-        indices = batch_indices(len(self.data), self.batch_size, epoch, batch_index, self.seed, self.shuffle)
-        return [self.data[i] for i in indices]
+    def data_at(self, indices: Sequence[int] | np.ndarray) -> list[tinker.Datum]:
+        return [self.data[int(i)] for i in indices]
 
 
-class RenderedTokensDataset:
-    """Batches over an Arrow table of rendered tokens; rows become ``Datum`` only when their batch is read.
+class RenderedTokens:
+    """An Arrow table of rendered tokens; rows become ``Datum`` only when their batch is read.
 
     ``split``: keep only rows whose ``split`` column equals it (e.g. "train"); None keeps all rows.
     """
 
     COLUMNS = ("model_input", "target_tokens", "weights")
 
-    def __init__(self, table: pa.Table, batch_size: int, seed: int = 0, shuffle: bool = True, split: str | None = None):
+    def __init__(self, table: pa.Table, split: str | None = None):
         missing = [name for name in self.COLUMNS if name not in table.column_names]
         if missing:
             raise ValueError(
@@ -157,25 +154,15 @@ class RenderedTokensDataset:
         if split is not None and "split" in table.column_names:
             table = table.filter(pc.equal(table["split"], split))
         self.table = table.select(list(self.COLUMNS)).combine_chunks()
-        self.batch_size = batch_size
-        self.seed = seed
-        self.shuffle = shuffle
 
     @classmethod
-    def from_parquet(cls, path: str, batch_size: int, seed: int = 0, shuffle: bool = True, split: str | None = None) -> RenderedTokensDataset:
+    def from_parquet(cls, path: str, split: str | None = None) -> RenderedTokens:
         import pyarrow.parquet as pq
 
-        return cls(pq.read_table(path), batch_size, seed, shuffle, split)
+        return cls(pq.read_table(path), split)
 
     def __len__(self) -> int:
         return self.table.num_rows
-
-    def num_batches(self) -> int:
-        return self.table.num_rows // self.batch_size
-
-    def get_batch(self, epoch: int, batch_index: int) -> list[tinker.Datum]:
-        indices = batch_indices(self.table.num_rows, self.batch_size, epoch, batch_index, self.seed, self.shuffle)
-        return self.data_at(indices)
 
     def data_at(self, indices: Sequence[int] | np.ndarray) -> list[tinker.Datum]:
         rows = self.table.take(pa.array(np.asarray(indices, dtype=np.int64))).to_pydict()
@@ -186,3 +173,21 @@ class RenderedTokensDataset:
 
     def all_data(self) -> list[tinker.Datum]:
         return self.data_at(np.arange(self.table.num_rows))
+
+
+def as_supervised_data(data: SupervisedData | Sequence[tinker.Datum] | pa.Table) -> SupervisedData:
+    """Accept a ``SupervisedData``, a list of ``Datum`` or a rendered-token Arrow table.
+
+    A table with a ``split`` column contributes only its training rows, so held-out rows never leak
+    into training by default; wrap it in ``RenderedTokens(table, split=None)`` to train on every row.
+    """
+    if isinstance(data, pa.Table):
+        return RenderedTokens(data, split=TRAIN_SPLIT if "split" in data.column_names else None)
+    if hasattr(data, "data_at"):
+        return data  # type: ignore[return-value]
+    return DatumList(data)  # type: ignore[arg-type]
+
+
+def get_batch(data: SupervisedData, batch_size: int, epoch: int, batch_index: int, seed: int, shuffle: bool = True) -> list[tinker.Datum]:
+    """Batch ``batch_index`` of ``epoch``: a pure function of its arguments, which is what makes resume exact."""
+    return data.data_at(batch_indices(len(data), batch_size, epoch, batch_index, seed, shuffle))

@@ -63,7 +63,9 @@ def test_embedded_localtinker_is_started_once_per_process_and_serves_the_real_sd
         assert again.base_url == first.base_url
         client = resource.get_client()
         assert isinstance(client, tinker.ServiceClient)
-        models = {model.model_name for model in client.get_server_capabilities().supported_models}
-        assert "localtinker/tiny-random" in models
+        sampler = client.create_sampling_client(base_model="localtinker/tiny-random").result()
+        params = tinker.SamplingParams(max_tokens=3, temperature=1.0, seed=7, stop=[])
+        response = sampler.sample(tinker.ModelInput.from_ints([1, 2, 3]), 1, params).result()
+        assert len(response.sequences[0].tokens) == 3
     finally:
         EMBEDDED_SERVERS.stop_all()

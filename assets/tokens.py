@@ -1,0 +1,126 @@
+"""`rendered_tokens`: the chat dataset rendered to exactly what the model will be trained on.
+
+One row per conversation (same row ids and `split` as `chat_dataset`), shifted for training; the
+metadata shows token-count percentiles, truncation, the trained-token fraction and a decoded preview
+with the trained tokens between ⟦ and ⟧.
+"""
+
+from collections.abc import Iterator
+
+import dagster as dg
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import Field
+
+from assets.datasets import DATA_GROUP, blocking, data_errors, failures_check, schema_check, table_output
+from posttrain.datasets import schemas, summary, tokens
+from posttrain.datasets.rows import EmptyDatasetError, SkipLog
+from resources.models import SMOLLM2_NAME, load_tokenizer, tokenizer_path
+
+PREVIEW_ROWS = 3
+
+
+class RenderConfig(dg.Config):
+    renderer: str = Field(default="chatml", description="Renderer name (chatml for SmolLM2; llama3, qwen3, ...).")
+    base_model: str = Field(
+        default=SMOLLM2_NAME, description="Base model whose tokenizer renders the tokens (name or local dir)."
+    )
+    train_on_what: str = Field(
+        default="last_assistant_message",
+        description="Which tokens carry loss weight: last_assistant_message, all_assistant_messages, all_messages, ...",
+    )
+    max_length: int | None = Field(default=2048, description="Truncate rendered sequences to this many tokens.")
+    skip_bad_rows: bool = Field(
+        default=False,
+        description="Drop examples left with no trained token (e.g. truncated away) and report them, instead of "
+        "failing the blocking check.",
+    )
+
+
+def token_metadata(num_tokens: list[int], num_trained: list[int], num_targets: list[int], truncated: int) -> dict:
+    stats = summary.percentiles(num_tokens)
+    metadata = {f"tokens/{key}": dg.MetadataValue.float(float(value)) for key, value in stats.items()}
+    metadata["tokens/total"] = dg.MetadataValue.int(int(sum(num_tokens)))
+    metadata["trained_tokens/total"] = dg.MetadataValue.int(int(sum(num_trained)))
+    metadata["trained_token_fraction"] = dg.MetadataValue.float(round(summary.trained_fraction(num_trained, num_targets), 4))
+    metadata["truncated_rows"] = dg.MetadataValue.int(truncated)
+    return metadata
+
+
+def token_preview(table: pa.Table, tokenizer, prefix: str = "", limit: int = PREVIEW_ROWS) -> list[tuple[str, str]]:
+    """(row id, decoded text with trained tokens marked) of the first rows."""
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    examples = []
+    for row in table.slice(0, limit).to_pylist():
+        full, weights = summary.unshift(row[f"{prefix}model_input"], row[f"{prefix}target_tokens"], row[f"{prefix}weights"])
+        examples.append((f"{row['row_id']} {prefix.rstrip('_')}".strip(), summary.mark_trained(full, weights, decode)))
+    return examples
+
+
+def drop_untrained(table: pa.Table, trained_columns: list[str], skip: SkipLog) -> pa.Table:
+    """Rows with zero trained tokens in any of `trained_columns`, removed and recorded in `skip`."""
+    keep = pc.greater(table.column(trained_columns[0]), 0)
+    for column in trained_columns[1:]:
+        keep = pc.and_(keep, pc.greater(table.column(column), 0))
+    for row_id in table.filter(pc.invert(keep)).column("row_id").to_pylist():
+        skip.record(f"{row_id}: no trained tokens (truncated away or nothing to train)")
+    return table.filter(keep)
+
+
+def untrained_failures(table: pa.Table, column: str) -> list[str]:
+    return [f"{r['row_id']}: no trained tokens" for r in table.select(["row_id", column]).to_pylist() if r[column] == 0]
+
+
+def length_failures(table: pa.Table, max_length: int | None, input_column: str) -> list[str]:
+    if max_length is None:
+        return []
+    lengths = pc.add(pc.list_value_length(table.column(input_column)), 1).to_pylist()
+    return [f"{row_id}: {n} tokens > max_length {max_length}" for row_id, n in zip(table.column("row_id").to_pylist(), lengths, strict=True) if n > max_length]
+
+
+@dg.asset(
+    group_name=DATA_GROUP,
+    kinds={"parquet"},
+    check_specs=blocking(
+        "rendered_tokens",
+        ("schema_valid", "Table has the normalized rendered-token schema."),
+        ("every_example_trained", "Every example has at least one trained token."),
+        ("within_max_length", "No sequence exceeds max_length (longer ones are truncated and counted)."),
+    ),
+    description="Chat dataset rendered to shifted token sequences with loss weights (split column kept).",
+)
+def rendered_tokens(context: dg.AssetExecutionContext, config: RenderConfig, chat_dataset: pa.Table) -> Iterator:
+    skip = SkipLog(skip_bad_rows=config.skip_bad_rows)
+    with data_errors("rendered_tokens"):
+        tokenizer = load_tokenizer(config.base_model)
+        renderer = tokens.get_renderer(config.renderer, tokenizer)
+        table = tokens.render_chat_table(chat_dataset, renderer, config.train_on_what, config.max_length, skip)
+        if config.skip_bad_rows:
+            table = drop_untrained(table, ["num_trained_tokens"], skip)
+        if table.num_rows == 0:
+            raise EmptyDatasetError(f"no examples left to train on ({skip.count} had no trained token)")
+    context.log.info(f"rendered {table.num_rows} examples with {config.renderer} ({tokenizer_path(config.base_model)})")
+    metadata = {
+        "renderer": dg.MetadataValue.text(config.renderer),
+        "base_model": dg.MetadataValue.text(config.base_model),
+        "train_on_what": dg.MetadataValue.text(config.train_on_what),
+        "max_length": dg.MetadataValue.int(config.max_length or 0),
+        "skipped_rows": dg.MetadataValue.int(skip.count),
+        "preview": dg.MetadataValue.md(summary.preview_markdown(token_preview(table, tokenizer), "rendered_tokens")),
+        **token_metadata(
+            table.column("num_tokens").to_pylist(),
+            table.column("num_trained_tokens").to_pylist(),
+            pc.list_value_length(table.column("target_tokens")).to_pylist(),
+            int(pc.sum(table.column("truncated")).as_py() or 0),
+        ),
+    }
+    if skip.samples:
+        metadata["skipped_samples"] = dg.MetadataValue.md("\n".join(f"- {s}" for s in skip.samples))
+    yield table_output(table, metadata)
+    yield schema_check(table, schemas.RENDERED_TOKENS)
+    yield failures_check("every_example_trained", untrained_failures(table, "num_trained_tokens"))
+    yield failures_check(
+        "within_max_length",
+        length_failures(table, config.max_length, "model_input"),
+        truncated_rows=dg.MetadataValue.int(int(pc.sum(table.column("truncated")).as_py() or 0)),
+    )

@@ -1,0 +1,129 @@
+"""The SFT chain through Dagster vs the same posttrain loop as one plain script: wall-time ratio (goal ≤ 1.2).
+
+Both sides do the same work from a fresh process and a fresh state dir: generate the chat dataset,
+render it with the chatml renderer, start an embedded localtinker, run `train_supervised` with the same
+`SupervisedConfig` (held-out NLL at the end, checkpoints every `save_every` steps), and exit. The
+Dagster side adds what the product adds: the sqlite instance and event log, parquet IO, data versions
+and checks, the MLflow run with per-step metrics, dataset inputs and a model version per checkpoint.
+
+    python bench/bench_dagster_overhead.py [--model HuggingFaceTB/SmolLM2-135M-Instruct] [--steps 20] [--rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GOAL = 1.2
+
+
+def shared_config(args: argparse.Namespace) -> dict:
+    return {
+        "chat": {"limit": args.rows, "heldout_fraction": 0.1},
+        "train": {"batch_size": 8, "max_steps": args.steps, "save_every": args.save_every, "learning_rate": 5e-4, "lora_rank": 16},
+    }
+
+
+def run_plain(config: dict, model: str, state: Path) -> None:
+    """The user's one-file script: same loaders, renderer and training loop, no orchestration."""
+    from posttrain.datasets.loaders import LoadSpec, load
+    from posttrain.datasets.tokens import get_renderer, render_chat_table
+    from posttrain.eval.nll import NllEvaluator
+    from posttrain.metrics import JsonlMetricsLogger
+    from posttrain.supervised.config import SupervisedConfig
+    from posttrain.supervised.data import RenderedTokens
+    from posttrain.supervised.loop import train_supervised
+    import tinker
+
+    from localtinker.server import start_server
+    from resources.models import load_tokenizer
+
+    chat = load(LoadSpec(kind="chat", source="reasoning_gym:basic_arithmetic,chain_sum", **config["chat"])).table
+    tokens = render_chat_table(chat, get_renderer("chatml", load_tokenizer(model)), "last_assistant_message", 2048)
+    heldout = RenderedTokens(tokens, split="heldout")
+    supervised = SupervisedConfig(base_model=model, log_dir=str(state / "plain"), **config["train"])
+    server = start_server(state / "tinker", dtype="bfloat16", api_key="tml-bench")
+    client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-bench")
+    train_supervised(
+        supervised,
+        RenderedTokens(tokens, split="train"),
+        client,
+        evaluators=[NllEvaluator(heldout.all_data())],
+        metrics_loggers=[JsonlMetricsLogger(state / "plain" / "metrics.jsonl")],
+    )
+    client.close("success").result()
+    server.stop()
+
+
+def run_dagster(config: dict, model: str, state: Path) -> None:
+    import dagster as dg
+
+    from pipelines.definitions import build_definitions, default_resources
+    from resources.state import ensure_dagster_home
+
+    home = ensure_dagster_home()
+    defs = build_definitions(default_resources())
+    run_config = {
+        "ops": {
+            "chat_dataset": {"config": config["chat"]},
+            "rendered_tokens": {"config": {"base_model": model}},
+            "sft_checkpoint": {"config": config["train"]},
+        }
+    }
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        result = defs.resolve_job_def("sft_chain").execute_in_process(instance=instance, run_config=run_config)
+        assert result.success
+
+
+def timed_subprocess(mode: str, args: argparse.Namespace) -> float:
+    with tempfile.TemporaryDirectory(prefix=f"bench-{mode}-") as tmp:
+        env = {
+            **os.environ,
+            "POSTTRAIN_STATE_DIR": tmp,
+            "DAGSTER_HOME": f"{tmp}/dagster",
+            "POSTTRAIN_BASE_MODEL": args.model,
+            "LOCALTINKER_DTYPE": "bfloat16",
+            "HF_HUB_OFFLINE": "1",
+            "TINKER_TELEMETRY": "0",
+        }
+        command = [sys.executable, __file__, "--child", mode, "--model", args.model, "--steps", str(args.steps),
+                   "--rows", str(args.rows), "--save-every", str(args.save_every)]
+        started = time.perf_counter()
+        subprocess.run(command, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return time.perf_counter() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rows", type=int, default=400)
+    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--child", choices=("plain", "dagster"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        sys.path.insert(0, str(REPO))
+        runner = run_plain if args.child == "plain" else run_dagster
+        runner(shared_config(args), args.model, Path(os.environ["POSTTRAIN_STATE_DIR"]))
+        return 0
+    plain, dagster = [], []
+    for _ in range(args.rounds):  # interleaved, so drifting machine load hits both sides alike
+        plain.append(timed_subprocess("plain", args))
+        dagster.append(timed_subprocess("dagster", args))
+    ratio = min(dagster) / min(plain)
+    print(json.dumps({"bench": "dagster_overhead", "model": args.model, "steps": args.steps,
+                      "plain_script_s": round(min(plain), 2), "dagster_chain_s": round(min(dagster), 2),
+                      "ratio": round(ratio, 3), "goal": f"<= {GOAL}", "met": ratio <= GOAL}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

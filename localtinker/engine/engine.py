@@ -1,0 +1,455 @@
+"""``LocalEngine``: the concrete :class:`~localtinker.engine.api.Engine` on torch + transformers + peft.
+
+Called from one worker thread by the protocol layer. Holds one frozen base model per base-model
+name (loaded on first use), one LoRA adapter + AdamW state per training model, and samplers that
+point at a base model plus optional adapter weights (a checkpoint, or a snapshot of a training
+model's current weights spilled to disk so long RL runs do not pile snapshots up in memory).
+
+Precision: ``float32`` is exact (sampler and trainer logprobs agree to ~1e-6); ``bfloat16`` keeps
+the frozen base weights in bf16 and the LoRA weights, gradients and Adam moments in float32.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from localtinker.engine.api import (
+    AdamSpec,
+    CheckpointInfo,
+    DatumArrays,
+    EngineUserError,
+    ForwardBackwardResult,
+    LoraSpec,
+    ModelInfo,
+    SampleResult,
+    SampleSpec,
+    UnknownModelError,
+)
+from localtinker.engine.checkpoints import CheckpointStore, parse_tinker_path
+from localtinker.engine.datums import PreparedDatum, prepare_datums
+from localtinker.engine.logprobs import token_logprobs
+from localtinker.engine.lora import AdapterHost, validate_lora_spec
+from localtinker.engine.losses import LOSSES, resolve_loss_config
+from localtinker.engine.models import DTYPES, TINY_RANDOM_NAME, BaseModel, load_base_model
+from localtinker.engine.optimizer import AdamState, adamw_step, validate_adam
+from localtinker.engine.packaged import SMOLLM2_NAME
+from localtinker.engine.sampler import BatchSampler, validate_sample_spec
+
+# Padded tokens per forward/backward micro-batch: bounds activation memory; sums stay exact.
+TRAIN_MICROBATCH_TOKENS = 8192
+# rows × (prompt + max_tokens) per generation chunk: bounds KV-cache memory.
+SAMPLE_BATCH_TOKENS = 65536
+# Snapshots of a training model's weights (save_weights_and_get_sampling_client) kept per model.
+SNAPSHOTS_PER_MODEL = 8
+# Sampler adapters kept resident per base model (others reload from disk on use).
+RESIDENT_SAMPLER_ADAPTERS = 4
+
+
+@dataclass
+class _TrainingModel:
+    model_id: str
+    base_name: str
+    lora: LoraSpec
+    adapter: str
+    params: dict[str, torch.nn.Parameter]
+    adam: AdamState = field(default_factory=AdamState)
+    version: int = 0  # bumped by every weight change; snapshots are reused while it is unchanged
+
+
+@dataclass
+class _Sampler:
+    base_name: str
+    weights_path: Path | str | None  # None = bare base model; else tinker:// path or ephemeral file
+    version: str = ""  # checkpoint creation time: a checkpoint overwritten under the same path is new weights
+
+    @property
+    def weights_key(self) -> str | None:
+        return None if self.weights_path is None else f"{self.weights_path}@{self.version}"
+
+
+@dataclass
+class _Host:
+    base: BaseModel
+    adapters: AdapterHost
+    resident: OrderedDict = field(default_factory=OrderedDict)  # sampler weights key -> adapter name
+
+
+class LocalEngine:
+    def __init__(self, storage_dir: Path, dtype: str = "float32", num_threads: int | None = None) -> None:
+        """``num_threads`` sets torch's (process-wide) intra-op threads; None keeps torch's default. On a
+        2-core machine shared with other busy processes, 1 thread is several times faster than 2."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.dtype = dtype
+        self.storage_dir = Path(storage_dir)
+        self.checkpoints = CheckpointStore(self.storage_dir / "checkpoints")
+        self._ephemeral_dir = self.storage_dir / "ephemeral"
+        shutil.rmtree(self._ephemeral_dir, ignore_errors=True)  # snapshots live only as long as a server
+        self._ephemeral_dir.mkdir(parents=True, exist_ok=True)
+        self._hosts: dict[str, _Host] = {}
+        self._models: dict[str, _TrainingModel] = {}
+        self._samplers: dict[str, _Sampler] = {}
+        self._snapshots: dict[tuple[str, int], Path] = {}
+        self._snapshot_counter = 0
+        self._lock = threading.RLock()  # the protocol calls from one thread; this guards misuse
+
+    # ----- models -------------------------------------------------------------------------------
+
+    def supported_models(self) -> list[ModelInfo]:
+        return [self._base_info(name) for name in (SMOLLM2_NAME, TINY_RANDOM_NAME)]
+
+    def create_model(self, model_id: str, base_model: str, lora: LoraSpec) -> ModelInfo:
+        with self._lock:
+            if model_id in self._models:
+                raise EngineUserError(f"model_id {model_id!r} already exists; use a new id.")
+            if "/" in model_id or not model_id:
+                raise EngineUserError(f"model_id {model_id!r} must be non-empty and contain no '/'.")
+            validate_lora_spec(lora)
+            host = self._host(base_model)
+            adapter = host.adapters.add_adapter(lora, lora.seed)
+            self._models[model_id] = _TrainingModel(
+                model_id=model_id,
+                base_name=base_model,
+                lora=lora,
+                adapter=adapter,
+                params=host.adapters.parameters(adapter),
+            )
+            return self.get_info(model_id)
+
+    def get_info(self, model_id: str) -> ModelInfo:
+        model = self._model(model_id)
+        base = self._hosts[model.base_name].base
+        return ModelInfo(
+            model_id=model_id,
+            base_model=model.base_name,
+            tokenizer_id=base.tokenizer_id,
+            lora_rank=model.lora.rank,
+            arch=base.arch,
+            max_context_length=base.max_context_length,
+        )
+
+    def lora_spec(self, model_id: str) -> LoraSpec:
+        """The LoRA config a training model was created (or restored) with."""
+        return self._model(model_id).lora
+
+    def lora_weights(self, model_id: str) -> dict[str, torch.Tensor]:
+        """A copy of a training model's LoRA tensors, keyed ``"<module path>.lora_A|B"`` (for tests and tools)."""
+        return self._weights(self._model(model_id))
+
+    def lora_grads(self, model_id: str) -> dict[str, torch.Tensor | None]:
+        """A copy of the gradients accumulated since the last ``optim_step`` (None where nothing accumulated)."""
+        params = self._model(model_id).params
+        return {key: None if p.grad is None else p.grad.detach().clone() for key, p in params.items()}
+
+    def unload_model(self, model_id: str) -> None:
+        """Frees a training model's adapter and optimizer state (its checkpoints stay on disk)."""
+        with self._lock:
+            model = self._models.pop(model_id, None)
+            if model is not None:
+                self._hosts[model.base_name].adapters.delete_adapter(model.adapter)
+
+    # ----- training -----------------------------------------------------------------------------
+
+    def forward_backward(
+        self,
+        model_id: str,
+        data: list[DatumArrays],
+        loss_fn: str,
+        loss_fn_config: dict[str, float] | None,
+        forward_only: bool,
+    ) -> ForwardBackwardResult:
+        with self._lock:
+            model = self._model(model_id)
+            host = self._hosts[model.base_name]
+            config = resolve_loss_config(loss_fn, loss_fn_config)
+            datums = prepare_datums(data, loss_fn, host.base.vocab_size, host.base.max_context_length)
+            with host.adapters.activated(model.adapter):
+                if forward_only:
+                    with torch.inference_mode():
+                        return self._run_loss(host.base.model, datums, loss_fn, config, backward=False)
+                return self._accumulate_grads(model, host, datums, loss_fn, config)
+
+    def _accumulate_grads(self, model, host, datums, loss_fn, config) -> ForwardBackwardResult:
+        """Computes grads into fresh buffers and adds them on success, so a failure leaves earlier grads intact."""
+        previous = {key: p.grad for key, p in model.params.items()}
+        for param in model.params.values():
+            param.grad = None
+        try:
+            result = self._run_loss(host.base.model, datums, loss_fn, config, backward=True)
+        except BaseException:
+            for key, param in model.params.items():
+                param.grad = previous[key]
+            raise
+        for key, param in model.params.items():
+            if previous[key] is not None:
+                param.grad = previous[key] if param.grad is None else param.grad.add_(previous[key])
+        return result
+
+    def _run_loss(self, causal_lm, datums: list[PreparedDatum], loss_fn, config, backward: bool) -> ForwardBackwardResult:
+        decoder = causal_lm.get_decoder()
+        lm_head = causal_lm.get_output_embeddings()
+        loss_function = LOSSES[loss_fn]
+        outputs: list[dict[str, np.ndarray]] = []
+        total = 0.0
+        for batch in _microbatches(datums, TRAIN_MICROBATCH_TOKENS):
+            lengths = [d.tokens.shape[0] for d in batch]
+            input_ids = torch.zeros((len(batch), max(lengths)), dtype=torch.long)
+            for row, datum in enumerate(batch):
+                input_ids[row, : lengths[row]] = datum.tokens
+            # Right padding needs no mask: causal attention never lets a real token see the pads after it.
+            hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+            real = torch.arange(input_ids.shape[1])[None, :] < torch.tensor(lengths)[:, None]
+            targets = torch.cat([d.targets for d in batch])
+            logprobs = token_logprobs(hidden[real], lm_head, targets)
+            batch_loss = logprobs.new_zeros(())
+            for datum, lp in zip(batch, logprobs.split(lengths)):
+                elementwise = loss_function(lp, datum.loss_inputs, config)
+                batch_loss = batch_loss + elementwise.sum()
+                outputs.append(
+                    {
+                        "logprobs": lp.detach().float().numpy().copy(),
+                        "elementwise_loss": elementwise.detach().float().numpy().copy(),
+                    }
+                )
+            if backward:
+                batch_loss.backward()
+            total += float(batch_loss.detach())
+        return ForwardBackwardResult(loss_fn_outputs=outputs, metrics={"loss:sum": total})
+
+    def optim_step(self, model_id: str, adam: AdamSpec) -> dict[str, float]:
+        with self._lock:
+            model = self._model(model_id)
+            validate_adam(adam)
+            metrics = adamw_step(model.params, model.adam, adam)
+            model.version += 1
+            return metrics
+
+    # ----- checkpoints --------------------------------------------------------------------------
+
+    def save_state(self, model_id: str, name: str) -> str:
+        with self._lock:
+            model = self._model(model_id)
+            return self.checkpoints.save(
+                model_id,
+                "weights",
+                name,
+                adapter=self._weights(model),
+                meta=self._meta(model),
+                optimizer=model.adam.to_tensors(),
+            )
+
+    def save_sampler_weights(self, model_id: str, name: str) -> str:
+        with self._lock:
+            model = self._model(model_id)
+            return self.checkpoints.save(model_id, "sampler_weights", name, self._weights(model), self._meta(model))
+
+    def load_state(self, model_id: str, path: str, with_optimizer: bool, base_model: str | None) -> ModelInfo:
+        with self._lock:
+            checkpoint = self.checkpoints.load(path)
+            if with_optimizer and checkpoint.optimizer is None:
+                raise EngineUserError(
+                    f"{path} holds no optimizer state (sampler weights); restore from a tinker://.../weights/... path "
+                    "or use create_training_client_from_state without optimizer."
+                )
+            lora = LoraSpec(**checkpoint.meta["lora"])
+            info = self.create_model(model_id, base_model or checkpoint.meta["base_model"], lora)
+            model = self._models[model_id]
+            try:
+                self._hosts[model.base_name].adapters.import_weights(model.adapter, checkpoint.adapter)
+            except BaseException:
+                self.unload_model(model_id)
+                raise
+            if with_optimizer:
+                model.adam = AdamState.from_tensors(int(checkpoint.meta["step"]), checkpoint.optimizer)
+            return info
+
+    def list_checkpoints(self, run_id: str | None = None) -> list[CheckpointInfo]:
+        return self.checkpoints.list(run_id)
+
+    def delete_checkpoint(self, tinker_path: str) -> None:
+        with self._lock:
+            self.checkpoints.delete(tinker_path)
+
+    # ----- sampling -----------------------------------------------------------------------------
+
+    def create_sampler(self, sampler_id: str, base_model: str | None, model_path: str | None) -> str:
+        with self._lock:
+            version = ""
+            if model_path:
+                parse_tinker_path(model_path)
+                meta = self.checkpoints.load(model_path).meta
+                base_name = base_model or meta["base_model"]
+                version = str(meta.get("created_at", ""))
+            elif base_model:
+                base_name = base_model
+            else:
+                raise EngineUserError("create_sampling_client needs a base_model or a model_path.")
+            self._host(base_name)
+            self._samplers[sampler_id] = _Sampler(base_name=base_name, weights_path=model_path or None, version=version)
+            return base_name
+
+    def create_ephemeral_sampler(self, sampler_id: str, model_id: str) -> str:
+        with self._lock:
+            model = self._model(model_id)
+            key = (model_id, model.version)
+            if key not in self._snapshots:
+                self._snapshot_counter += 1
+                file = self._ephemeral_dir / f"{self._snapshot_counter}.pt"
+                torch.save({"weights": self._weights(model), "lora": model.lora.__dict__}, file)
+                self._snapshots[key] = file
+                self._forget_old_snapshots(model_id)
+            self._samplers[sampler_id] = _Sampler(base_name=model.base_name, weights_path=self._snapshots[key])
+            return model.base_name
+
+    def _forget_old_snapshots(self, model_id: str) -> None:
+        """Keeps the newest few snapshots per model on disk; an RL loop makes one per step."""
+        keys = sorted(key for key in self._snapshots if key[0] == model_id)
+        for key in keys[:-SNAPSHOTS_PER_MODEL]:
+            self._snapshots.pop(key).unlink(missing_ok=True)
+
+    def sample_batch(self, requests: list[tuple[str, SampleSpec]]) -> list[SampleResult | Exception]:
+        """Groups requests by sampler weights; each group runs through one generation loop (chunked by memory)."""
+        with self._lock:
+            requests = list(requests)
+            results: list[SampleResult | Exception | None] = [None] * len(requests)
+            groups: dict[tuple[str, str], list[int]] = {}
+            for index, (sampler_id, spec) in enumerate(requests):
+                try:
+                    sampler = self._sampler(sampler_id)
+                    base = self._hosts[sampler.base_name].base
+                    if spec.max_tokens is None:  # no limit given: up to the end of the context
+                        spec = replace(spec, max_tokens=max(0, base.max_context_length - len(spec.prompt_tokens)))
+                        requests[index] = (sampler_id, spec)
+                    validate_sample_spec(spec, base.vocab_size, base.max_context_length)
+                except EngineUserError as error:
+                    results[index] = error
+                    continue
+                groups.setdefault((sampler.base_name, str(sampler.weights_key)), []).append(index)
+            for indices in groups.values():
+                sampler = self._sampler(requests[indices[0]][0])
+                try:
+                    outputs = self._sample_group(sampler, [requests[i][1] for i in indices])
+                except Exception as error:  # noqa: BLE001 - one group's failure must not fail the others
+                    outputs = [error] * len(indices)
+                for index, output in zip(indices, outputs):
+                    results[index] = output
+            return results  # type: ignore[return-value]
+
+    def _sample_group(self, sampler: _Sampler, specs: list[SampleSpec]) -> list[SampleResult]:
+        host = self._hosts[sampler.base_name]
+        adapter = self._resident_adapter(host, sampler)
+        base = host.base
+        pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else base.eos_token_ids[0]
+        runner = BatchSampler(base.model, base.tokenizer, base.eos_token_ids, pad)
+        outputs: list[SampleResult] = []
+        with host.adapters.activated(adapter):
+            for chunk in _sample_chunks(specs, SAMPLE_BATCH_TOKENS):
+                outputs.extend(runner.run(chunk))
+        return outputs
+
+    def _resident_adapter(self, host: _Host, sampler: _Sampler) -> str | None:
+        weights_path, key = sampler.weights_path, sampler.weights_key
+        if weights_path is None or key is None:
+            return None
+        if key in host.resident:
+            host.resident.move_to_end(key)
+            return host.resident[key]
+        if isinstance(weights_path, Path):
+            if not weights_path.is_file():
+                raise UnknownModelError(
+                    f"this sampling client's weights snapshot was superseded by {SNAPSHOTS_PER_MODEL} newer ones "
+                    "and dropped; create a new sampling client (or save_weights_for_sampler to keep weights)."
+                )
+            saved = torch.load(weights_path, weights_only=True)
+            weights, lora = saved["weights"], LoraSpec(**saved["lora"])
+        else:
+            checkpoint = self.checkpoints.load(weights_path)
+            weights, lora = checkpoint.adapter, LoraSpec(**checkpoint.meta["lora"])
+        adapter = host.adapters.add_adapter(lora, seed=0)
+        host.adapters.import_weights(adapter, weights)
+        host.resident[key] = adapter
+        while len(host.resident) > RESIDENT_SAMPLER_ADAPTERS:
+            _, evicted = host.resident.popitem(last=False)
+            host.adapters.delete_adapter(evicted)
+        return adapter
+
+    # ----- helpers ------------------------------------------------------------------------------
+
+    def _host(self, base_model: str) -> _Host:
+        if base_model not in self._hosts:
+            base = load_base_model(base_model, self.dtype)
+            self._hosts[base_model] = _Host(base=base, adapters=AdapterHost(base.model))
+        return self._hosts[base_model]
+
+    def _base_info(self, name: str) -> ModelInfo:
+        from localtinker.engine.models import resolve_model_dir
+
+        return ModelInfo(
+            model_id=name,
+            base_model=name,
+            tokenizer_id=resolve_model_dir(name),
+            lora_rank=0,
+            arch="llama",
+            max_context_length=8192 if name == SMOLLM2_NAME else 2048,
+        )
+
+    def _model(self, model_id: str) -> _TrainingModel:
+        model = self._models.get(model_id)
+        if model is None:
+            raise UnknownModelError(
+                f"unknown model_id {model_id!r}; create a training client first (known: {len(self._models)} models)."
+            )
+        return model
+
+    def _sampler(self, sampler_id: str) -> _Sampler:
+        sampler = self._samplers.get(sampler_id)
+        if sampler is None:
+            raise UnknownModelError(f"unknown sampling session {sampler_id!r}; create a sampling client first.")
+        return sampler
+
+    def _weights(self, model: _TrainingModel) -> dict[str, torch.Tensor]:
+        return {key: param.detach().clone() for key, param in model.params.items()}
+
+    def _meta(self, model: _TrainingModel) -> dict:
+        return {"base_model": model.base_name, "lora": model.lora.__dict__, "step": model.adam.step}
+
+
+def _microbatches(datums: list[PreparedDatum], budget: int) -> list[list[PreparedDatum]]:
+    batches: list[list[PreparedDatum]] = []
+    current: list[PreparedDatum] = []
+    longest = 0
+    for datum in datums:
+        length = datum.tokens.shape[0]
+        if current and max(longest, length) * (len(current) + 1) > budget:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(datum)
+        longest = max(longest, length)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _sample_chunks(specs: list[SampleSpec], budget: int) -> list[list[SampleSpec]]:
+    chunks: list[list[SampleSpec]] = []
+    current: list[SampleSpec] = []
+    used = 0
+    for spec in specs:
+        cost = spec.num_samples * (len(spec.prompt_tokens) + spec.max_tokens)
+        if current and used + cost > budget:
+            chunks.append(current)
+            current, used = [], 0
+        current.append(spec)
+        used += cost
+    if current:
+        chunks.append(current)
+    return chunks

@@ -1,0 +1,64 @@
+"""Command line: `python -m pipelines demo | ui | lineage <checkpoint>`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    parser = argparse.ArgumentParser(prog="python -m pipelines", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="materialize the whole SFT slice and its eval reports")
+    demo.add_argument("--max-steps", type=int, default=0, help="cap on training steps (0: one full epoch)")
+    demo.add_argument("--final-only", action="store_true", help="evaluate only the final checkpoint")
+    commands.add_parser("ui", help="serve the Dagster UI (:3000) and the MLflow UI (:5000) on loopback")
+    lineage = commands.add_parser("lineage", help="trace a checkpoint to its run, data and base model")
+    lineage.add_argument("reference", nargs="?", help="tinker:// path, <registered-model>/<version> or partition key")
+    lineage.add_argument("--list", action="store_true", help="list known checkpoints")
+    args = parser.parse_args(argv)
+
+    from resources.state import ensure_dagster_home
+
+    ensure_dagster_home()
+    if args.command == "ui":
+        from pipelines.ui import serve
+
+        return serve()
+    if args.command == "demo":
+        from pipelines.definitions import defs
+        from pipelines.demo import format_demo, run_demo
+
+        training = {"max_steps": args.max_steps} if args.max_steps else {}
+        print(format_demo(run_demo(defs, training, evaluate_all=not args.final_only)))
+        return 0
+    return _lineage(args)
+
+
+def _lineage(args: argparse.Namespace) -> int:
+    import dagster as dg
+
+    from assets.checkpoint_manifest import all_manifests
+    from pipelines.lineage import format_lineage, trace
+    from resources.mlflow import MlflowResource
+
+    if args.list or not args.reference:
+        for manifest in all_manifests():
+            print(f"{manifest.partition}  {manifest.registered_model}/{manifest.model_version}  {manifest.state_path}")
+        return 0
+    with dg.DagsterInstance.get() as instance:
+        try:
+            lineage = trace(args.reference, instance, MlflowResource().get_client())
+        except LookupError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        print(format_lineage(lineage))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

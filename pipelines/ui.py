@@ -1,0 +1,89 @@
+"""`make ui`: the Dagster UI (webserver + daemon, so the eval sensor runs) and the MLflow UI, on loopback.
+
+Both read the persistent project state: DAGSTER_HOME (absolute, holding the repo's dagster.yaml) and
+the MLflow sqlite store under the state dir, so the runs `make demo` made are there to browse. Each
+server is its own process group, stopped together on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from resources.state import default_mlflow_artifact_root, default_mlflow_tracking_uri, ensure_dagster_home, repo_root
+
+DAGSTER_PORT = 3000
+MLFLOW_PORT = 5000
+HOST = "127.0.0.1"
+
+
+def bin_path(name: str) -> str:
+    """The console script beside this interpreter (the project venv), else whatever PATH has."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+def start_dagster(port: int = DAGSTER_PORT, env: dict[str, str] | None = None) -> subprocess.Popen:
+    ensure_dagster_home()
+    command = [bin_path("dagster"), "dev", "-m", "pipelines.definitions", "-h", HOST, "-p", str(port)]
+    return subprocess.Popen(command, cwd=repo_root(), env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def start_mlflow(port: int = MLFLOW_PORT, env: dict[str, str] | None = None) -> subprocess.Popen:
+    command = [
+        bin_path("mlflow"), "server",
+        "--backend-store-uri", default_mlflow_tracking_uri(),
+        "--default-artifact-root", default_mlflow_artifact_root().as_uri(),
+        "--host", HOST, "--port", str(port), "--workers", "1",
+    ]
+    return subprocess.Popen(command, cwd=repo_root(), env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def wait_until_up(url: str, process: subprocess.Popen, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[0]} exited with {process.returncode} before {url} came up")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(1.0)
+    raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
+
+
+def stop(process: subprocess.Popen, timeout_s: float = 20.0) -> None:
+    """SIGTERM to the server's process group (dagster dev has children), SIGKILL if it lingers."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def serve() -> int:
+    os.environ.setdefault("MLFLOW_UI_URL", f"http://{HOST}:{MLFLOW_PORT}")
+    mlflow = start_mlflow()
+    dagster = start_dagster()
+    try:
+        wait_until_up(f"http://{HOST}:{MLFLOW_PORT}/health", mlflow)
+        wait_until_up(f"http://{HOST}:{DAGSTER_PORT}/server_info", dagster)
+        print(f"Dagster UI  http://{HOST}:{DAGSTER_PORT}   (DAGSTER_HOME={os.environ['DAGSTER_HOME']})")
+        print(f"MLflow UI   http://{HOST}:{MLFLOW_PORT}    ({default_mlflow_tracking_uri()})")
+        print("Ctrl-C stops both.", flush=True)
+        while dagster.poll() is None and mlflow.poll() is None:
+            time.sleep(1.0)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop(dagster)
+        stop(mlflow)

@@ -1,0 +1,207 @@
+"""Sampled task accuracy with a renderer-aware answer check.
+
+For each problem: render ``[system?, user: question]`` with the renderer's generation prompt, sample
+with the renderer's stop sequences (so a chat model stops at its end-of-turn, not at ``max_tokens``),
+parse the tokens back into an assistant message with ``renderer.parse_response``, extract the final
+answer (``posttrain.eval.answers.extract_answer``) and grade it: with the problem's own scorer when it
+names one (``reasoning_gym:<task>``, ``exact_number``... via ``posttrain.datasets.problems``),
+else by :func:`~posttrain.eval.answers.answers_match` against the gold answer.
+
+Every request is submitted before any result is awaited. Greedy by default (``top_k=1``, which every
+Tinker backend honours) so an eval report is reproducible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import tinker
+
+from posttrain.eval.answers import answers_match, extract_answer
+from posttrain.eval.base import EvalTarget
+
+CORRECT_SCORE = 0.99
+
+
+class ChatRenderer(Protocol):
+    """The slice of ``posttrain.renderers`` an evaluator needs."""
+
+    def build_generation_prompt(self, messages: list[dict[str, Any]], role: str = "assistant", prefill: str | None = None) -> tinker.ModelInput: ...
+
+    def get_stop_sequences(self) -> list[str] | list[int]: ...
+
+    def parse_response(self, tokens: list[int]) -> tuple[dict[str, Any], Any]: ...
+
+
+@dataclass(frozen=True)
+class TaskProblem:
+    question: str
+    answer: str
+    row_id: str = ""
+    system: str | None = None
+    scorer: str | None = None  # e.g. "reasoning_gym:basic_arithmetic"; None = answers_match
+    scorer_metadata: str = "{}"
+
+
+def problems_from_table(table: Any, split: str | None = "heldout", limit: int | None = None) -> list[TaskProblem]:
+    """``TaskProblem`` rows from an RL-problems Arrow table (``posttrain.datasets.schemas.RL_PROBLEMS``)."""
+    rows = table.to_pylist()
+    if split is not None and "split" in table.column_names:
+        rows = [row for row in rows if row["split"] == split]
+    problems = [
+        TaskProblem(
+            question=row["question"],
+            answer=str(row["answer"]),
+            row_id=row.get("row_id", ""),
+            scorer=row.get("scorer"),
+            scorer_metadata=row.get("scorer_metadata") or "{}",
+        )
+        for row in rows
+    ]
+    return problems[:limit] if limit is not None else problems
+
+
+@dataclass
+class SampleGrade:
+    row_id: str
+    question: str
+    gold: str
+    response: str
+    extracted: str | None
+    score: float
+    correct: bool
+    well_formed: bool
+    num_tokens: int
+    stop_reason: str
+
+
+@dataclass
+class AccuracyResult:
+    accuracy: float
+    mean_score: float
+    well_formed_rate: float
+    num_samples: int
+    rows: list[SampleGrade] = field(default_factory=list)
+
+    def metrics(self, prefix: str = "eval/") -> dict[str, float]:
+        return {
+            f"{prefix}accuracy": self.accuracy,
+            f"{prefix}mean_score": self.mean_score,
+            f"{prefix}well_formed": self.well_formed_rate,
+            f"{prefix}num_samples": float(self.num_samples),
+        }
+
+    def row_dicts(self) -> list[dict[str, Any]]:
+        return [asdict(row) for row in self.rows]
+
+
+def default_grade(extracted: str | None, problem: TaskProblem) -> float:
+    """The problem's own scorer when it names one, else numeric/text match with the gold answer."""
+    if problem.scorer:
+        from posttrain.datasets.problems import score_problem
+
+        return float(score_problem(problem.scorer, problem.scorer_metadata, problem.answer, extracted or ""))
+    return 1.0 if answers_match(extracted, problem.answer) else 0.0
+
+
+def evaluate_accuracy(
+    target: EvalTarget,
+    renderer: ChatRenderer,
+    problems: Sequence[TaskProblem],
+    *,
+    max_tokens: int = 64,
+    num_samples: int = 1,
+    temperature: float = 1.0,
+    top_k: int = 1,
+    seed: int = 0,
+    grade: Callable[[str | None, TaskProblem], float] = default_grade,
+) -> AccuracyResult:
+    if not problems:
+        raise ValueError("evaluate_accuracy got no problems: pass at least one TaskProblem")
+    sampling_client = target.sampling_client()
+    params = tinker.SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        stop=renderer.get_stop_sequences(),
+    )
+    futures = [
+        sampling_client.sample(renderer.build_generation_prompt(_messages(problem)), num_samples, params)
+        for problem in problems
+    ]
+    rows = []
+    for problem, future in zip(problems, futures):
+        for sequence in future.result().sequences:
+            tokens = list(sequence.tokens)
+            message, termination = renderer.parse_response(tokens)
+            response = _content_text(message)
+            extracted = extract_answer(response)
+            score = grade(extracted, problem)
+            rows.append(
+                SampleGrade(
+                    row_id=problem.row_id,
+                    question=problem.question,
+                    gold=problem.answer,
+                    response=response,
+                    extracted=extracted,
+                    score=score,
+                    correct=score >= CORRECT_SCORE,
+                    well_formed=_well_formed(termination),
+                    num_tokens=len(tokens),
+                    stop_reason=str(sequence.stop_reason),
+                )
+            )
+    count = len(rows)
+    return AccuracyResult(
+        accuracy=sum(row.correct for row in rows) / count,
+        mean_score=sum(row.score for row in rows) / count,
+        well_formed_rate=sum(row.well_formed for row in rows) / count,
+        num_samples=count,
+        rows=rows,
+    )
+
+
+class AccuracyEvaluator:
+    """An :class:`~posttrain.eval.base.Evaluator` reporting ``{prefix}accuracy`` and friends.
+
+    ``renderer`` may be a renderer name (``posttrain.renderers.get_renderer``): it is then built on first
+    use over the target's tokenizer. ``sampling`` goes to :func:`evaluate_accuracy` (max_tokens, ...).
+    """
+
+    def __init__(self, renderer: ChatRenderer | str, problems: Sequence[TaskProblem], prefix: str = "eval/", **sampling: Any):
+        self.renderer = renderer
+        self.problems = list(problems)
+        self.prefix = prefix
+        self.sampling = sampling
+
+    def __call__(self, target: EvalTarget) -> dict[str, float]:
+        if isinstance(self.renderer, str):
+            from posttrain.renderers import get_renderer
+
+            self.renderer = get_renderer(self.renderer, target.tokenizer())
+        return evaluate_accuracy(target, self.renderer, self.problems, **self.sampling).metrics(self.prefix)
+
+
+def _messages(problem: TaskProblem) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": problem.system}] if problem.system else []
+    return messages + [{"role": "user", "content": problem.question}]
+
+
+def _content_text(message: Any) -> str:
+    content = message.get("content", "") if isinstance(message, dict) else getattr(message, "content", message)
+    if isinstance(content, list):  # content parts: keep the text ones
+        return "".join(part.get("text", "") if isinstance(part, dict) else str(part) for part in content)
+    return "" if content is None else str(content)
+
+
+def _well_formed(termination: Any) -> bool:
+    """True when the response ended the way the renderer expects (stop sequence or EOS)."""
+    if isinstance(termination, bool):
+        return termination
+    if hasattr(termination, "is_clean"):
+        return bool(termination.is_clean)
+    label = str(getattr(termination, "value", termination)).lower()
+    return not any(bad in label for bad in ("malformed", "length", "truncat"))
+

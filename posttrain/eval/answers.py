@@ -1,0 +1,82 @@
+"""Pulling a final answer out of a model's response, and comparing it with a gold answer.
+
+Order of preference, so an explicit answer beats an incidental number: the last ``\\boxed{...}``
+(balanced braces), then text after the last ``####`` (GSM8K), then after the last "answer is" /
+"Answer:", and finally the last number anywhere. Numbers compare numerically (``1,000`` = ``1000.0``
+= ``$1000``); anything else compares case-insensitively after trimming spaces and final punctuation.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+_NUMBER = re.compile(r"[-+]?\$?\d[\d,]*(?:\.\d+)?|[-+]?\.\d+")
+_ANSWER_IS = re.compile(r"(?:final\s+answer|answer)\s*(?:is|:|=)\s*:?\s*(.+)", re.IGNORECASE)
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` with nested braces balanced, or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for index in range(begin, len(text)):
+        if text[index] == "{":
+            depth += 1
+        elif text[index] == "}":
+            if depth == 0:
+                return text[begin:index].strip()
+            depth -= 1
+    return None
+
+
+def last_number(text: str) -> str | None:
+    matches = _NUMBER.findall(text)
+    return _clean_number(matches[-1]) if matches else None
+
+
+def extract_answer(text: str) -> str | None:
+    """The response's final answer as a string, or None when it gives none."""
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return boxed
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1].strip()
+        if tail:
+            return last_number(tail.splitlines()[0]) or tail.splitlines()[0].strip()
+    matches = list(_ANSWER_IS.finditer(text))
+    if matches:
+        stated = matches[-1].group(1).strip().splitlines()[0].strip()
+        number = _NUMBER.match(stated.lstrip("$ "))
+        if number:
+            return _clean_number(number.group(0))
+        return stated.rstrip(".").strip() or None
+    return last_number(text)
+
+
+def to_number(text: str) -> float | None:
+    cleaned = text.strip().replace(",", "").replace("$", "").rstrip(".").strip()
+    try:
+        value = float(cleaned)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def answers_match(predicted: str | None, gold: str) -> bool:
+    """True when ``predicted`` states ``gold`` (numerically if both are numbers)."""
+    if predicted is None:
+        return False
+    predicted_number, gold_number = to_number(predicted), to_number(gold)
+    if predicted_number is not None and gold_number is not None:
+        return math.isclose(predicted_number, gold_number, rel_tol=1e-9, abs_tol=1e-9)
+    return _normalize_text(predicted) == _normalize_text(gold)
+
+
+def _clean_number(raw: str) -> str:
+    return raw.replace(",", "").replace("$", "").rstrip(".")
+
+
+def _normalize_text(text: str) -> str:
+    return " ".join(text.strip().strip(".!").lower().split())

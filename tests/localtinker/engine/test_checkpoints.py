@@ -1,0 +1,162 @@
+"""save_state / load_state (with and without Adam moments), sampler weights, listing, deletion, restarts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from localtinker.engine.api import AdamSpec, EngineUserError, LoraSpec, SampleSpec, UnknownModelError
+from localtinker.engine.engine import LocalEngine
+from tinker.types.checkpoint import ParsedCheckpointTinkerPath
+from tests.localtinker.engine.reference import TINY, sft_datum
+
+ADAM = AdamSpec(learning_rate=0.02, weight_decay=0.01)
+
+
+def train_steps(engine, model_id: str, seeds) -> list[dict]:
+    metrics = []
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        engine.forward_backward(model_id, [sft_datum(rng, 10), sft_datum(rng, 6)], "cross_entropy", None, False)
+        metrics.append(engine.optim_step(model_id, ADAM))
+    return metrics
+
+
+def test_restore_with_optimizer_continues_exactly_across_a_restart(engine, engine_storage, new_id):
+    spec = LoraSpec(rank=4, seed=21)
+    straight = new_id()
+    engine.create_model(straight, TINY, spec)
+    train_steps(engine, straight, [1, 2, 3, 4])
+
+    interrupted = new_id()
+    engine.create_model(interrupted, TINY, spec)
+    train_steps(engine, interrupted, [1, 2])
+    path = engine.save_state(interrupted, "step-2")
+    parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
+    assert parsed.training_run_id == interrupted and parsed.checkpoint_type == "training"
+
+    restarted = LocalEngine(engine_storage, dtype="float32")  # a new server process on the same storage
+    resumed = new_id()
+    info = restarted.load_state(resumed, path, with_optimizer=True, base_model=None)
+    assert info.base_model == TINY and info.lora_rank == 4
+    metrics = train_steps(restarted, resumed, [3, 4])
+    assert metrics[-1]["step"] == 4.0
+    expected = engine.lora_weights(straight)
+    for key, value in restarted.lora_weights(resumed).items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-6, atol=1e-8, msg=key)
+
+    fresh = new_id()
+    restarted.load_state(fresh, path, with_optimizer=False, base_model=None)
+    saved = engine.lora_weights(interrupted)
+    assert all(torch.equal(v, saved[k]) for k, v in restarted.lora_weights(fresh).items())
+    metrics = train_steps(restarted, fresh, [3, 4])
+    assert metrics[-1]["step"] == 2.0  # moments and step were reset
+    diverged = restarted.lora_weights(fresh)
+    assert any(not torch.allclose(diverged[k], expected[k], atol=1e-6) for k in expected)
+
+
+def test_load_state_restores_weights_without_optimizer(engine, new_id):
+    source = new_id()
+    engine.create_model(source, TINY, LoraSpec(rank=4, seed=3, train_attn=False))
+    train_steps(engine, source, [5])
+    path = engine.save_state(source, "w")
+    copy = new_id()
+    engine.load_state(copy, path, with_optimizer=False, base_model=None)
+    assert engine.lora_spec(copy) == engine.lora_spec(source)
+    original = engine.lora_weights(source)
+    assert all(torch.equal(v, original[k]) for k, v in engine.lora_weights(copy).items())
+
+
+def test_sampler_weights_round_trip_and_listing(engine, new_id):
+    model_id = new_id()
+    engine.create_model(model_id, TINY, LoraSpec(rank=4, seed=9))
+    train_steps(engine, model_id, [7])
+    sampler_path = engine.save_sampler_weights(model_id, "s1")
+    state_path = engine.save_state(model_id, "s1")
+    assert sampler_path == f"tinker://{model_id}/sampler_weights/s1"
+    assert state_path == f"tinker://{model_id}/weights/s1"
+    listed = {info.tinker_path: info for info in engine.list_checkpoints(model_id)}
+    assert set(listed) == {sampler_path, state_path}
+    assert listed[state_path].size_bytes > listed[sampler_path].size_bytes > 0  # state also holds Adam moments
+    with pytest.raises(EngineUserError, match="no optimizer state"):
+        engine.load_state(new_id(), sampler_path, with_optimizer=True, base_model=None)
+
+    prompt = SampleSpec(prompt_tokens=(5, 6, 7, 8), max_tokens=4, seed=3)
+    assert engine.create_sampler("ckpt-sampler", None, sampler_path) == TINY
+    engine.create_ephemeral_sampler("live-sampler", model_id)
+    from_disk, live = engine.sample_batch([("ckpt-sampler", prompt), ("live-sampler", prompt)])
+    assert from_disk.sequences[0].tokens == live.sequences[0].tokens
+    np.testing.assert_allclose(from_disk.sequences[0].logprobs, live.sequences[0].logprobs, atol=1e-6)
+
+    engine.delete_checkpoint(sampler_path)
+    assert [info.tinker_path for info in engine.list_checkpoints(model_id)] == [state_path]
+    with pytest.raises(UnknownModelError):
+        engine.delete_checkpoint(sampler_path)
+    with pytest.raises(UnknownModelError):
+        engine.create_sampler("gone", None, sampler_path)
+
+
+def test_ephemeral_sampler_is_a_snapshot(engine, new_id):
+    model_id = new_id()
+    engine.create_model(model_id, TINY, LoraSpec(rank=4, seed=9))
+    train_steps(engine, model_id, [1])
+    engine.create_ephemeral_sampler("snap-before", model_id)
+    prompt = SampleSpec(prompt_tokens=(5, 6, 7), max_tokens=3, temperature=0.0)
+    before = engine.sample_batch([("snap-before", prompt)])[0].sequences[0].logprobs
+    train_steps(engine, model_id, [2, 3])
+    again = engine.sample_batch([("snap-before", prompt)])[0].sequences[0].logprobs
+    engine.create_ephemeral_sampler("snap-after", model_id)
+    after = engine.sample_batch([("snap-after", prompt)])[0].sequences[0].logprobs
+    assert before == again and before != after
+
+
+def test_overwrite_is_atomic_and_bad_paths_are_rejected(engine, engine_storage, new_id):
+    model_id = new_id()
+    engine.create_model(model_id, TINY, LoraSpec(rank=2, seed=0))
+    engine.save_state(model_id, "same")
+    train_steps(engine, model_id, [1])
+    path = engine.save_state(model_id, "same")
+    copy = new_id()
+    engine.load_state(copy, path, with_optimizer=True, base_model=None)
+    assert all(torch.equal(v, engine.lora_weights(model_id)[k]) for k, v in engine.lora_weights(copy).items())
+    leftovers = [p for p in (engine_storage / "checkpoints").rglob(".*")]
+    assert leftovers == []
+    for bad in ("s3://x/weights/y", "tinker://run/other/y", "tinker://run/weights"):
+        with pytest.raises(EngineUserError, match="tinker://"):
+            engine.load_state(new_id(), bad, with_optimizer=False, base_model=None)
+    with pytest.raises(UnknownModelError, match="does not exist"):
+        engine.load_state(new_id(), "tinker://nobody:train:0/weights/none", with_optimizer=False, base_model=None)
+    for bad_name in ("a/b", "", ".hidden"):
+        with pytest.raises(EngineUserError, match="checkpoint name"):
+            engine.save_state(model_id, bad_name)
+
+
+def test_old_snapshots_are_dropped_with_a_clear_error(engine, engine_storage, new_id):
+    from localtinker.engine.engine import SNAPSHOTS_PER_MODEL
+
+    model_id = new_id()
+    engine.create_model(model_id, TINY, LoraSpec(rank=2, seed=0))
+    for step in range(SNAPSHOTS_PER_MODEL + 1):
+        train_steps(engine, model_id, [step])
+        engine.create_ephemeral_sampler(f"{model_id}-snap{step}", model_id)
+    prompt = SampleSpec(prompt_tokens=(1, 2), max_tokens=1)
+    oldest, newest = engine.sample_batch([(f"{model_id}-snap0", prompt), (f"{model_id}-snap{SNAPSHOTS_PER_MODEL}", prompt)])
+    assert isinstance(oldest, UnknownModelError) and "superseded" in str(oldest)
+    assert len(newest.sequences[0].tokens) == 1
+
+
+def test_a_checkpoint_overwritten_under_the_same_name_is_reloaded(engine, new_id):
+    model_id = new_id()
+    engine.create_model(model_id, TINY, LoraSpec(rank=4, seed=0))
+    prompt = SampleSpec(prompt_tokens=(3, 4, 5), max_tokens=3, temperature=0.0, stop_token_ids=())
+    train_steps(engine, model_id, [1])
+    path = engine.save_sampler_weights(model_id, "latest")
+    engine.create_sampler("latest-1", None, path)
+    first = engine.sample_batch([("latest-1", prompt)])[0].sequences[0].logprobs
+    train_steps(engine, model_id, [2, 3])
+    assert engine.save_sampler_weights(model_id, "latest") == path
+    engine.create_sampler("latest-2", None, path)
+    engine.create_ephemeral_sampler("live", model_id)
+    second, live = (r.sequences[0].logprobs for r in engine.sample_batch([("latest-2", prompt), ("live", prompt)]))
+    assert second != first and np.allclose(second, live, atol=1e-6)

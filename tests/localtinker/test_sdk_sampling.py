@@ -1,0 +1,66 @@
+"""The real tinker SDK against a real in-process localtinker (tiny model, float32): sampling clients."""
+
+from __future__ import annotations
+
+import numpy as np
+import tinker
+from tinker import types
+
+from tests.fixtures.server import TINY_MODEL
+
+PROMPT = types.ModelInput.from_ints([1, 504, 2000, 31, 77])
+
+
+def _trained(service_client: tinker.ServiceClient, seed: int) -> tinker.TrainingClient:
+    trainer = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=seed).result()
+    tokens = [3, 14, 15, 92, 65, 35]
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    trainer.forward_backward([datum], "cross_entropy")
+    trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    return trainer
+
+
+def _forward_logprobs(trainer: tinker.TrainingClient, tokens: list[int]) -> np.ndarray:
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]})
+    return trainer.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
+def test_named_sampler_weights_sample_deterministically_and_score_like_the_trainer(
+    service_client: tinker.ServiceClient,
+) -> None:
+    trainer = _trained(service_client, seed=3)
+    path = trainer.save_weights_for_sampler("sampler-a").result().path
+    assert path == f"tinker://{trainer.model_id}/sampler_weights/sampler-a"
+    sampler = service_client.create_sampling_client(model_path=path).result()
+    assert sampler.get_base_model() == TINY_MODEL
+    params = types.SamplingParams(max_tokens=6, seed=11, temperature=1.0, stop=[])
+    first = sampler.sample(PROMPT, num_samples=3, sampling_params=params).result()
+    again = sampler.sample(PROMPT, num_samples=3, sampling_params=params).result()
+    assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
+    assert len(first.sequences) == 3 and all(len(s.tokens) == 6 and s.stop_reason == "length" for s in first.sequences)
+    assert len({s.sequence_id for s in first.sequences}) == 3
+    # Sampler logprobs of its own tokens equal the trainer's forward logprobs on the same sequence (float32).
+    sequence = first.sequences[0]
+    full = PROMPT.to_ints() + sequence.tokens
+    trained = _forward_logprobs(trainer, full)
+    np.testing.assert_allclose(sequence.logprobs, trained[-len(sequence.tokens) :], atol=1e-4)
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
+    assert scored[0] is None
+    np.testing.assert_allclose(scored[1:], trained, atol=1e-4)
+
+
+def test_ephemeral_and_base_model_samplers(service_client: tinker.ServiceClient) -> None:
+    trainer = _trained(service_client, seed=4)
+    current = trainer.save_weights_and_get_sampling_client().result()
+    tokens = PROMPT.to_ints()
+    np.testing.assert_allclose(
+        current.compute_logprobs(PROMPT).result()[1:], _forward_logprobs(trainer, tokens), atol=1e-4
+    )
+    base = service_client.create_sampling_client(base_model=TINY_MODEL).result()
+    base_scores = base.compute_logprobs(PROMPT).result()[1:]
+    assert not np.allclose(base_scores, current.compute_logprobs(PROMPT).result()[1:], atol=1e-4)
+    out = base.sample(PROMPT, num_samples=2, sampling_params=types.SamplingParams(max_tokens=3, seed=0)).result()
+    assert len(out.sequences) == 2 and all(1 <= len(s.tokens) <= 3 for s in out.sequences)

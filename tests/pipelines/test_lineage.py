@@ -1,0 +1,55 @@
+"""`python -m pipelines lineage` on a real checkpoint made by the SFT chain."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from assets.checkpoint_manifest import all_manifests
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _lineage(run, *args):
+    env = {**os.environ, **run.env}
+    return subprocess.run(
+        [sys.executable, "-m", "pipelines", "lineage", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
+    )
+
+
+def test_lineage_by_tinker_path_and_by_model_version_prints_the_whole_chain(sft_pipeline_run):
+    run = sft_pipeline_run
+    final = max((m for m in all_manifests() if m.training_dagster_run_id == run.chain.run_id), key=lambda m: m.step)
+    tokens = run.instance.fetch_materializations(__import__("dagster").AssetKey("rendered_tokens"), limit=1).records[0]
+    chat = run.instance.fetch_materializations(__import__("dagster").AssetKey("chat_dataset"), limit=1).records[0]
+
+    by_path = _lineage(run, final.state_path)
+    assert by_path.returncode == 0, by_path.stderr
+    out = by_path.stdout
+    expected_in_order = [
+        f"checkpoint      {final.partition}",
+        final.state_path,
+        f"Dagster       {run.chain.run_id}  job sft_chain, SUCCESS",
+        final.mlflow_run_url,
+        f"data version  {tokens.asset_materialization.tags['dagster/data_version']}",
+        "dataset (chat_dataset)",
+        "reasoning_gym:",
+        chat.asset_materialization.tags["dagster/data_version"],
+        "base model      localtinker/tiny-random",
+        final.base_model_digest,
+        "eval reports    1",
+    ]
+    position = 0
+    for piece in expected_in_order:  # each piece appears, in this order
+        position = out.find(piece, position)
+        assert position >= 0, f"{piece!r} missing (in order) from:\n{out}"
+
+    by_version = _lineage(run, f"{final.registered_model}/{final.model_version}")
+    assert by_version.returncode == 0, by_version.stderr
+    assert by_version.stdout == out
+
+
+def test_lineage_of_an_unknown_checkpoint_says_what_to_pass(sft_pipeline_run):
+    result = _lineage(sft_pipeline_run, "tinker://nope/weights/000001")
+    assert result.returncode == 2
+    assert "pass a tinker:// path" in result.stderr

@@ -1,0 +1,103 @@
+"""The whole SFT slice on the tiny model: a real sqlite Dagster instance and a real sqlite MLflow store."""
+
+import json
+
+import dagster as dg
+import pyarrow.parquet as pq
+from mlflow.entities import RunStatus
+
+from assets.checkpoint_manifest import all_manifests
+from resources.mlflow import TAG_ASSET_KEY, TAG_DAGSTER_RUN_ID, TAG_PARTITION
+
+
+def _metadata(result, node):
+    (materialization,) = result.asset_materializations_for_node(node)
+    return {key: getattr(value, "value", value) for key, value in materialization.metadata.items()}
+
+
+def test_chain_turns_every_saved_checkpoint_into_a_partition_with_a_manifest(sft_pipeline_run):
+    run = sft_pipeline_run
+    assert run.chain.success
+    partitions = run.instance.get_dynamic_partitions("checkpoints")
+    manifests = [m for m in all_manifests() if m.training_dagster_run_id == run.chain.run_id]
+    assert sorted(m.partition for m in manifests) == sorted(partitions)
+    assert [m.step for m in sorted(manifests, key=lambda m: m.step)] == [3, 6]
+    metadata = _metadata(run.chain, "sft_checkpoint")
+    assert metadata["total_steps"] == 6
+    assert [c["partition"] for c in metadata["checkpoints"]] == [m.partition for m in sorted(manifests, key=lambda m: m.step)]
+    assert metadata["final_state_path"].startswith("tinker://") and "/weights/" in metadata["final_state_path"]
+    assert metadata["final_sampler_path"].startswith("tinker://") and "/sampler_weights/" in metadata["final_sampler_path"]
+    assert metadata["mlflow_run"].startswith("http://127.0.0.1:5000/#/experiments/")
+    assert metadata["base_model"] == "localtinker/tiny-random"
+    assert metadata["final_loss"] > 0
+
+
+def test_training_is_one_mlflow_run_with_per_step_metrics_datasets_and_model_versions(sft_pipeline_run):
+    run = sft_pipeline_run
+    client = run.mlflow.get_client()
+    experiment = run.mlflow.experiment_id(client)
+    (training,) = client.search_runs([experiment], f"tags.`{TAG_DAGSTER_RUN_ID}` = '{run.chain.run_id}'")
+    assert training.info.status == RunStatus.to_string(RunStatus.FINISHED)
+    assert training.data.tags[TAG_ASSET_KEY] == "sft_checkpoint"
+    loss = client.get_metric_history(training.info.run_id, "loss")
+    assert [m.step for m in loss] == list(range(6))
+    assert all(m.value > 0 for m in loss)
+    assert [m.step for m in client.get_metric_history(training.info.run_id, "learning_rate")] == list(range(6))
+    assert len(client.get_metric_history(training.info.run_id, "tokens_per_second")) == 6
+    assert training.data.params["batch_size"] == "4" and training.data.params["base_model"] == "localtinker/tiny-random"
+    assert not any("key" in name.lower() for name in training.data.params)
+
+    versions = {d.dataset.name: d.dataset.digest for d in training.inputs.dataset_inputs}
+    for asset in ("rendered_tokens", "chat_dataset"):
+        record = run.instance.fetch_materializations(dg.AssetKey(asset), limit=1).records[0]
+        assert versions[asset] == record.asset_materialization.tags["dagster/data_version"][:36]
+
+    model_versions = sorted(client.search_model_versions("name='sft'"), key=lambda v: int(v.version))
+    manifests = sorted((m for m in all_manifests() if m.training_dagster_run_id == run.chain.run_id), key=lambda m: m.step)
+    assert [v.source for v in model_versions] == [m.state_path for m in manifests]
+    for version, manifest in zip(model_versions, manifests):
+        assert version.run_id == training.info.run_id
+        assert version.tags["tinker_path"] == manifest.state_path
+        assert version.tags["base_model"] == "localtinker/tiny-random"
+        assert version.tags["training_run"] == run.chain.run_id
+        assert version.tags["dagster.partition"] == manifest.partition
+        assert version.tags["rendered_tokens.data_version"] == manifest.upstream["rendered_tokens"]["data_version"]
+        assert version.tags["chat_dataset.data_version"] == manifest.upstream["chat_dataset"]["data_version"]
+
+
+def test_sensor_requested_evals_produce_reports_checks_and_mlflow_runs(sft_pipeline_run):
+    run = sft_pipeline_run
+    partitions = run.instance.get_dynamic_partitions("checkpoints")
+    assert [r.partition_key for r in run.sensor_requests] == partitions
+    client = run.mlflow.get_client()
+    for partition, result in run.evals.items():
+        assert result.success
+        metadata = _metadata(result, "eval_report")
+        assert metadata["checkpoint"] == partition
+        assert "| nll |" in metadata["report"] and "| accuracy |" in metadata["report"]
+        table = pq.read_table(run.state / "parquet" / "eval_report" / f"{partition}.parquet")
+        assert table.column("metric").to_pylist() == ["nll", "bpb", "accuracy"]
+        rows = {row["metric"]: row for row in table.to_pylist()}
+        assert rows["nll"]["checkpoint"] == metadata["checkpoint_nll"]
+        assert rows["nll"]["base"] == metadata["base_nll"]
+        assert abs(rows["nll"]["delta"] - (metadata["checkpoint_nll"] - metadata["base_nll"])) < 1e-9
+        (check,) = result.get_asset_check_evaluations()
+        assert check.check_name == "improves_on_base" and check.severity == dg.AssetCheckSeverity.WARN
+        assert check.passed == all(row["better"] for row in rows.values())
+        (eval_run,) = client.search_runs(
+            [run.mlflow.experiment_id(client)],
+            f"tags.`{TAG_PARTITION}` = '{partition}' and tags.`{TAG_ASSET_KEY}` = 'eval_report'",
+        )
+        assert eval_run.data.metrics["eval/nll"] == metadata["checkpoint_nll"]
+        assert eval_run.data.metrics["base/nll"] == metadata["base_nll"]
+        manifest = next(m for m in all_manifests() if m.partition == partition)
+        assert metadata["sampler_path"] == manifest.sampler_path  # its own checkpoint, looked up by partition
+        version = client.get_model_version(manifest.registered_model, manifest.model_version)
+        assert float(version.tags["eval.nll"]) == float(f"{metadata['checkpoint_nll']:.6g}")
+
+
+def test_training_lowers_held_out_nll_of_the_tiny_model(sft_pipeline_run):
+    """Six steps at lr 1e-3 on a random model must already beat it on held-out NLL (a real training signal)."""
+    final = max((m for m in all_manifests() if m.training_dagster_run_id == sft_pipeline_run.chain.run_id), key=lambda m: m.step)
+    metadata = _metadata(sft_pipeline_run.evals[final.partition], "eval_report")
+    assert metadata["checkpoint_nll"] < metadata["base_nll"]
