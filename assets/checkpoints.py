@@ -143,7 +143,10 @@ def sft_checkpoint(
     heldout = RenderedTokens(rendered_tokens, split=HELDOUT_SPLIT)
     evaluators = [NllEvaluator(heldout.all_data())] if len(heldout) else []
     with mlflow.start_run(
-        context, run_name=f"sft {training_run_id[:8]}", tags={"posttrain.log_dir": supervised.log_dir}
+        context,
+        run_name=f"sft {training_run_id[:8]}",
+        tags={"posttrain.log_dir": supervised.log_dir},
+        resume_tag=("posttrain.log_dir", supervised.log_dir),
     ) as run:
         _log_inputs(run, lineage, tinker)
         registered: dict[str, CheckpointManifest] = {}
@@ -223,8 +226,9 @@ def _lineage(context: dg.AssetExecutionContext, config: SftConfig) -> TrainingLi
 
 
 def _log_inputs(run: MlflowRun, lineage: TrainingLineage, tinker: TinkerResource) -> None:
-    run.log_params({"base_model": lineage.base_model, "renderer": lineage.renderer, **tinker.describe()})
-    run.set_tags({"base_model.digest": lineage.base.metadata.get("digest", lineage.base.data_version)})
+    backend = tinker.describe()  # an embedded server's URL changes per process: a tag, not a param
+    run.log_params({"base_model": lineage.base_model, "renderer": lineage.renderer, "tinker_backend": backend["tinker_backend"]})
+    run.set_tags({**backend, "base_model.digest": lineage.base.metadata.get("digest", lineage.base.data_version)})
     run.log_dataset(
         TOKENS_ASSET,
         str(lineage.tokens.metadata.get("path", f"dagster://{TOKENS_ASSET}")),

@@ -103,6 +103,16 @@ def report_table(base: ModelScores, checkpoint: ModelScores) -> pa.Table:
     return pa.Table.from_pylist(rows)
 
 
+def worse_than_base(table: pa.Table) -> list[str]:
+    """Metrics on which the checkpoint is strictly worse than its base model (equal is not worse)."""
+    worse = []
+    for row in table.to_pylist():
+        lower_is_better = LOWER_IS_BETTER[row["metric"]]
+        if (row["delta"] > 0) if lower_is_better else (row["delta"] < 0):
+            worse.append(row["metric"])
+    return worse
+
+
 def markdown(table: pa.Table, manifest: CheckpointManifest) -> str:
     lines = [
         f"**{manifest.partition}** (step {manifest.step}) vs base `{manifest.base_model}`",
@@ -111,7 +121,7 @@ def markdown(table: pa.Table, manifest: CheckpointManifest) -> str:
         "|---|---:|---:|---:|---|",
     ]
     for row in table.to_pylist():
-        mark = "better" if row["better"] else "worse/equal"
+        mark = "better" if row["better"] else ("equal" if row["delta"] == 0 else "worse")
         lines.append(f"| {row['metric']} | {row['base']:.4f} | {row['checkpoint']:.4f} | {row['delta']:+.4f} | {mark} |")
     return "\n".join(lines)
 
@@ -165,7 +175,7 @@ def eval_report(
         run.log_text(report, "eval_report.md")
         run.log_dict(samples, "samples.json")
         _annotate_training(run.client, manifest, checkpoint_scores)
-    worse = [row["metric"] for row in table.to_pylist() if not row["better"]]
+    worse = worse_than_base(table)
     yield dg.Output(
         table,
         metadata={

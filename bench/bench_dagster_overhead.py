@@ -6,7 +6,7 @@ render it with the chatml renderer, start an embedded localtinker, run `train_su
 Dagster side adds what the product adds: the sqlite instance and event log, parquet IO, data versions
 and checks, the MLflow run with per-step metrics, dataset inputs and a model version per checkpoint.
 
-    python bench/bench_dagster_overhead.py [--model HuggingFaceTB/SmolLM2-135M-Instruct] [--steps 20] [--rounds 1]
+    python bench/bench_dagster_overhead.py [--model HuggingFaceTB/SmolLM2-135M-Instruct] [--steps 12] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -103,9 +103,9 @@ def timed_subprocess(mode: str, args: argparse.Namespace) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rows", type=int, default=400)
-    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--save-every", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--child", choices=("plain", "dagster"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -11,7 +11,7 @@ whole dataset in one batched tokenizer call, template pieces encoded once) then 
 Prints rows/s for both and ``ratio = ours/baseline`` (goal >= 3x), best of ``--repeats`` runs each,
 alternating so machine load hits both alike. Also checks the two produce the same text.
 
-Usage: ``python bench/bench_render.py [--rows 10000] [--repeats 3]``
+Usage: ``python bench/bench_render.py [--rows 10000] [--repeats 2]``
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def ours(renderer, dataset: list[list[dict]]) -> pa.Table:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=10_000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_hf_dir())

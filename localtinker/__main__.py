@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     storage = args.storage.expanduser().resolve()
     storage.mkdir(parents=True, exist_ok=True)
     config = ProtocolConfig(api_key=args.api_key, max_request_bytes=args.max_request_mb * 1024 * 1024)
-    service = LocalTinkerService(build_engine(storage, args.dtype), storage, config)
     sock = bind_socket(args.host, args.port)
+    service = LocalTinkerService(build_engine(storage, args.dtype), storage, config)
     print(f"localtinker serving http://{args.host}:{sock.getsockname()[1]} (storage {storage})", flush=True)
     try:
         uvicorn.Server(uvicorn_config(service.build_app(), args.log_level)).run(sockets=[sock])

@@ -112,13 +112,17 @@ def start_server(
     """
     storage = Path(storage_dir).expanduser().resolve()
     storage.mkdir(parents=True, exist_ok=True)
-    engine = engine if engine is not None else build_engine(storage, dtype)
     config = config or ProtocolConfig()
     if api_key is not None:
         config = dataclasses.replace(config, api_key=api_key)
-    service = LocalTinkerService(engine, storage, config)
-    sock = bind_socket(host, port)
+    sock = bind_socket(host, port)  # first: a taken port fails before any thread starts
     actual_port = sock.getsockname()[1]
+    try:
+        engine = engine if engine is not None else build_engine(storage, dtype)
+    except BaseException:
+        sock.close()
+        raise
+    service = LocalTinkerService(engine, storage, config)
     server = uvicorn.Server(uvicorn_config(service.build_app(), log_level))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="localtinker-http", daemon=True)
     thread.start()

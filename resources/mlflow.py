@@ -109,7 +109,10 @@ class MlflowRun:
         self.client.log_text(self.run_id, text, artifact_file)
 
     def register_checkpoint(self, model_name: str, tinker_path: str, tags: Mapping[str, Any]) -> ModelVersion:
-        """A new version of registered model ``model_name`` whose source is the ``tinker://`` path."""
+        """The version of ``model_name`` whose source is the ``tinker://`` path (created once: idempotent)."""
+        existing = self.client.search_model_versions(f"name = '{model_name}' and tags.tinker_path = '{tinker_path}'")
+        if existing:
+            return existing[0]
         try:
             self.client.create_registered_model(model_name)
         except MlflowException as error:
@@ -166,8 +169,15 @@ class MlflowResource(dg.ConfigurableResource):
         context: dg.AssetExecutionContext | dg.OpExecutionContext,
         run_name: str | None = None,
         tags: Mapping[str, Any] | None = None,
+        resume_tag: tuple[str, str] | None = None,
     ) -> Iterator[MlflowRun]:
-        """An MLflow run for this materialization, FINISHED on success and FAILED on any exception."""
+        """An MLflow run for this materialization, FINISHED on success and FAILED on any exception.
+
+        ``resume_tag=(name, value)``: when an unfinished run (killed or failed) of this experiment carries
+        that tag, continue it instead of opening a new one, so a resumed training run keeps one metric
+        history (the trainer logs each step exactly once across the kill). The run then also records
+        the re-executing Dagster run id under ``dagster.run_id``.
+        """
         client = self.get_client()
         experiment_id = self.experiment_id(client)
         run_tags = {
@@ -176,7 +186,14 @@ class MlflowResource(dg.ConfigurableResource):
             **_asset_tags(context),
             **{name: str(value) for name, value in (tags or {}).items()},
         }
-        run = client.create_run(experiment_id, run_name=run_name, tags=run_tags)
+        previous = self._unfinished_run(client, experiment_id, resume_tag) if resume_tag else None
+        if previous is not None:
+            client.update_run(previous.info.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+            for name, value in run_tags.items():
+                client.set_tag(previous.info.run_id, name, value)
+            run = previous
+        else:
+            run = client.create_run(experiment_id, run_name=run_name, tags=run_tags)
         handle = MlflowRun(
             client=client,
             run_id=run.info.run_id,
@@ -184,13 +201,25 @@ class MlflowResource(dg.ConfigurableResource):
             url=self.run_url(experiment_id, run.info.run_id),
             ui_url=self.ui_url,
         )
-        context.log.info(f"MLflow run {handle.run_id}: {handle.url}")
+        context.log.info(f"MLflow run {handle.run_id}{' (resumed)' if previous else ''}: {handle.url}")
         try:
             yield handle
         except BaseException:
             client.set_terminated(handle.run_id, status=RunStatus.to_string(RunStatus.FAILED))
             raise
         client.set_terminated(handle.run_id, status=RunStatus.to_string(RunStatus.FINISHED))
+
+
+    @staticmethod
+    def _unfinished_run(client: MlflowClient, experiment_id: str, tag: tuple[str, str]):
+        name, value = tag
+        runs = client.search_runs(
+            [experiment_id],
+            f"tags.`{name}` = '{value}' and attributes.status != 'FINISHED'",
+            max_results=1,
+            order_by=["attributes.start_time DESC"],
+        )
+        return runs[0] if runs else None
 
 
 @functools.lru_cache(maxsize=8)

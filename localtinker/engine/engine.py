@@ -11,7 +11,9 @@ the frozen base weights in bf16 and the LoRA weights, gradients and Adam moments
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -42,8 +44,9 @@ from localtinker.engine.optimizer import AdamState, adamw_step, validate_adam
 from localtinker.engine.packaged import SMOLLM2_NAME
 from localtinker.engine.sampler import BatchSampler, validate_sample_spec
 
-# Padded tokens per forward/backward micro-batch: bounds activation memory; sums stay exact.
-TRAIN_MICROBATCH_TOKENS = 8192
+# Padded tokens per forward/backward micro-batch: bounds activation memory (~1.2 MB/token on
+# SmolLM2-135M); losses and gradients are sums, so splitting is exact.
+TRAIN_MICROBATCH_TOKENS = 2048
 # rows × (prompt + max_tokens) per generation chunk: bounds KV-cache memory.
 SAMPLE_BATCH_TOKENS = 65536
 # Snapshots of a training model's weights (save_weights_and_get_sampling_client) kept per model.
@@ -92,9 +95,7 @@ class LocalEngine:
         self.dtype = dtype
         self.storage_dir = Path(storage_dir)
         self.checkpoints = CheckpointStore(self.storage_dir / "checkpoints")
-        self._ephemeral_dir = self.storage_dir / "ephemeral"
-        shutil.rmtree(self._ephemeral_dir, ignore_errors=True)  # snapshots live only as long as a server
-        self._ephemeral_dir.mkdir(parents=True, exist_ok=True)
+        self._ephemeral_dir = _fresh_ephemeral_dir(self.storage_dir / "ephemeral")
         self._hosts: dict[str, _Host] = {}
         self._models: dict[str, _TrainingModel] = {}
         self._samplers: dict[str, _Sampler] = {}
@@ -421,6 +422,26 @@ class LocalEngine:
 
     def _meta(self, model: _TrainingModel) -> dict:
         return {"base_model": model.base_name, "lora": model.lora.__dict__, "step": model.adam.step}
+
+
+def _fresh_ephemeral_dir(root: Path) -> Path:
+    """A snapshot directory private to this engine; those of engines whose process has died are removed."""
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.iterdir():
+        pid = stale.name.split("-")[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root))
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _microbatches(datums: list[PreparedDatum], budget: int) -> list[list[PreparedDatum]]:

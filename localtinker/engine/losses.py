@@ -8,6 +8,7 @@ the engine sums it (never averages). RL losses ignore ``weights``: the client ma
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable
 
 import torch
@@ -51,7 +52,7 @@ def resolve_loss_config(loss_fn: str, config: dict[str, float] | None) -> dict[s
         value = given.get(key, default)
         if value is None:
             raise EngineUserError(f"loss {loss_fn!r} needs loss_fn_config[{key!r}] (a non-negative number).")
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        if not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
             raise EngineUserError(f"loss_fn_config[{key!r}] must be a finite number >= 0, got {value!r}.")
         resolved[key] = float(value)
     if "clip_low_threshold" in resolved and resolved["clip_low_threshold"] > resolved["clip_high_threshold"]:

@@ -10,6 +10,7 @@ count and the two moments per tensor.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +48,7 @@ def validate_adam(spec: AdamSpec) -> None:
         ("grad_clip_norm", spec.grad_clip_norm, lambda v: v >= 0, ">= 0 (0 disables clipping)"),
     ]
     for name, value, ok, rule in checks:
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        if not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
             raise EngineUserError(f"AdamParams.{name} must be finite and {rule}, got {value!r}.")
 
 

@@ -386,20 +386,17 @@ class LocalTinkerService:
     async def load_weights(self, request: Request) -> Response:
         endpoint = "load_weights"
         body = await self._json(request, endpoint)
-        if body.get("session_id") is None:  # legacy in-place load: an op of an existing training client
+        if body.get("session_id") is None:  # TrainingClient.load_state: an in-place load, deprecated by the SDK
             model_id = jc.field(body, "model_id", str, endpoint)
             seq_id = jc.field(body, "seq_id", int, endpoint, default=None)
-            try:
-                path = jc.field(body, "path", str, endpoint)
-                with_optimizer = jc.field(body, "optimizer", bool, endpoint, default=False)
-            except ProtocolError as e:
-                raise self._refuse_model_op(model_id, seq_id, e) from e
-            return self._queue_model_op(
-                endpoint,
+            raise self._refuse_model_op(
                 model_id,
                 seq_id,
-                lambda e: e.load_state(model_id, path, with_optimizer, None),
-                lambda info: Payload(json_body={"type": "load_weights", "path": path, "model_id": model_id}),
+                bad_request(
+                    "load_weights into an existing training client (TrainingClient.load_state*, deprecated by "
+                    "the SDK) is not supported; create a new client with ServiceClient."
+                    "create_training_client_from_state(path) or ..._with_optimizer(path)"
+                ),
             )
         # create-from-state: the load creates a new training client
         path = jc.field(body, "path", str, endpoint)

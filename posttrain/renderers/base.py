@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from itertools import chain
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tinker
@@ -37,20 +37,20 @@ from posttrain.renderers.types import (
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Piece:
-    """A run of text rendered together: template text, or message content when ``literal``."""
+class Piece(NamedTuple):
+    """A run of text rendered together: template text, or message content when ``literal``.
+    (A tuple: datasets create millions of them.)"""
 
     text: str
     literal: bool = False
 
 
 def template(text: str) -> Piece:
-    return Piece(text, literal=False)
+    return Piece(text, False)
 
 
 def content(text: str) -> Piece:
-    return Piece(text, literal=True)
+    return Piece(text, True)
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,7 @@ class RenderedMessage:
     stop_overlap: list[Piece] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class RenderContext:
+class RenderContext(NamedTuple):
     """Where a message sits in its conversation, for formats that depend on position."""
 
     idx: int
@@ -71,12 +70,11 @@ class RenderContext:
     prev_message: Message | None
     next_message: Message | None
     last_user_index: int
+    # First message of the turn being produced: the trailing run of assistant messages after the last
+    # user message (just the final message when there is no user message). Formats that strip
+    # reasoning from history keep it from here on.
     produced_turn_start: int
-    """First message of the turn being produced: the trailing run of assistant messages after the
-    last user message (just the final message when there is no user message). Formats that strip
-    reasoning from history keep it from here on."""
-    in_prompt: bool = False
-    """True when the conversation is history for a generation prompt (no message is being produced)."""
+    in_prompt: bool = False  # the conversation is history for a generation prompt (nothing is produced)
 
 
 @dataclass(frozen=True)
@@ -142,6 +140,11 @@ class Renderer(ABC):
     def has_extension_property(self) -> bool:
         """Whether each turn's prompt is a prefix of the next (false when history is rewritten)."""
         return True
+
+    prompt_is_rendered_history = False
+    """True when a generation prompt is always the supervised rendering of the same messages followed
+    by the answer's (untrained) header: then no prompt token can fall in a trained span and the
+    prompt check in ``assemble_supervised`` is skipped (it costs a second render per example)."""
 
     merges_extending_examples = False
     """Without the extension property, ``build_supervised_examples`` gives one example per trained
@@ -255,7 +258,7 @@ class Renderer(ABC):
         weights = np.repeat(
             np.asarray(plan.weights, dtype=np.float32), [len(piece_tokens) for piece_tokens in plan_tokens]
         )
-        boundary = self.prompt_boundary(plan.messages, plan.train_on_what)
+        boundary = None if self.prompt_is_rendered_history else self.prompt_boundary(plan.messages, plan.train_on_what)
         if boundary is not None:
             known = dict(zip(plan.pieces, plan_tokens, strict=True))
             prompt_pieces = self._generation_pieces(plan.messages[:boundary])

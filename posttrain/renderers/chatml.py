@@ -28,6 +28,7 @@ SMOLLM2_DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, tr
 
 
 class ChatMLRenderer(Renderer):
+    prompt_is_rendered_history = True
     name = "chatml"
 
     def __init__(self, tokenizer: Any, default_system_prompt: str | None = None):

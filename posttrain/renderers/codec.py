@@ -72,8 +72,9 @@ class HuggingFaceCodec:
             )
         self.tokenizer = tokenizer
         self._template = backend
-        self._content = _literal_copy(backend)
-        self._words = WordCachedBPE.for_backend(self._content)
+        config = json.loads(backend.to_str())
+        self._content = _literal_copy(config)
+        self._words = WordCachedBPE.for_config(config, self._content)
         self._bos_text = getattr(tokenizer, "bos_token", None)
         self._eos_token_id = getattr(tokenizer, "eos_token_id", None)
 
@@ -110,16 +111,14 @@ class HuggingFaceCodec:
         return self._eos_token_id
 
 
-def _literal_copy(backend: BackendTokenizer) -> BackendTokenizer:
-    """A private copy of ``backend`` that matches no added token at all.
+def _literal_copy(config: dict) -> BackendTokenizer:
+    """A private copy of a tokenizer (given as its JSON config) that matches no added token at all.
 
     ``encode_special_tokens`` only splits tokens marked special, and Qwen3's ``<think>`` is an
     ordinary added token, so the copy marks every added token special first. A copy (not a flag
     flipped on the shared tokenizer) keeps concurrent encodes from racing on that flag.
     """
-    config = json.loads(backend.to_str())
-    for added in config.get("added_tokens", []):
-        added["special"] = True
+    config = dict(config, added_tokens=[dict(added, special=True) for added in config.get("added_tokens", [])])
     literal = BackendTokenizer.from_str(json.dumps(config))
     literal.encode_special_tokens = True
     return literal
@@ -142,8 +141,8 @@ class WordCachedBPE:
         self._cache: dict[str, list[int]] = {}
 
     @classmethod
-    def for_backend(cls, backend: BackendTokenizer) -> WordCachedBPE | None:
-        config = json.loads(backend.to_str())
+    def for_config(cls, config: dict, backend: BackendTokenizer) -> WordCachedBPE | None:
+        """The word cache for ``backend`` (whose JSON config is ``config``), or None when not exact."""
         normalizer, pre, model = config.get("normalizer"), config.get("pre_tokenizer") or {}, config.get("model") or {}
         if model.get("type") != "BPE" or model.get("byte_fallback") or normalizer not in (None, {"type": "NFC"}):
             return None
@@ -236,10 +235,25 @@ class TmlCodec:
         return self._eos_token_id
 
 
+_CODECS: dict[int, tuple[Any, TokenCodec]] = {}
+
+
 def as_codec(tokenizer: Any) -> TokenCodec:
-    """The codec for any supported tokenizer (HF fast, ``tokenizers.Tokenizer``, tml-renderers)."""
+    """The codec for any supported tokenizer (HF fast, ``tokenizers.Tokenizer``, tml-renderers).
+
+    Building one copies the tokenizer (seconds for a 150k vocabulary), so codecs are shared per
+    tokenizer object: every renderer over the same tokenizer reuses one codec and its word cache.
+    """
     if isinstance(tokenizer, (HuggingFaceCodec, TmlCodec)):
         return tokenizer
+    cached = _CODECS.get(id(tokenizer))
+    if cached is not None and cached[0] is tokenizer:
+        return cached[1]
     if hasattr(tokenizer, "encode_ordinary") and hasattr(tokenizer, "encode_special"):
-        return TmlCodec(tokenizer)
-    return HuggingFaceCodec(tokenizer)
+        codec: TokenCodec = TmlCodec(tokenizer)
+    else:
+        codec = HuggingFaceCodec(tokenizer)
+    if len(_CODECS) >= 16:
+        _CODECS.clear()
+    _CODECS[id(tokenizer)] = (tokenizer, codec)
+    return codec

@@ -23,6 +23,7 @@ from posttrain.renderers.types import Message, ParseTermination, RendererError
 
 
 class Llama3Renderer(Renderer):
+    prompt_is_rendered_history = True
     name = "llama3"
 
     def __init__(self, tokenizer: Any):

@@ -16,6 +16,7 @@ _STOP = "\n\nUser:"
 
 
 class RoleColonRenderer(Renderer):
+    prompt_is_rendered_history = True
     name = "role_colon"
 
     def bos_pieces(self) -> list[Piece]:

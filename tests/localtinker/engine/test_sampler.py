@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from localtinker.engine.api import AdamSpec, DatumArrays, EngineUserError, LoraSpec, SampleSpec
-from localtinker.engine.sampler import shared_prefix_length
+from localtinker.engine.sampler import _Row, choose_tokens, shared_prefix_length
 from tests.localtinker.engine.reference import TINY, ReferenceModel, sft_datum
 
 
@@ -179,3 +179,22 @@ def test_shared_prefix_length_leaves_every_prompt_a_token():
     assert shared_prefix_length([tuple(range(20)), tuple(range(5))]) == 0  # below the minimum worth sharing
     assert shared_prefix_length([tuple(range(20))]) == 0
     assert shared_prefix_length([tuple(range(12)) + (1,), tuple(range(12)) + (2, 3)]) == 12
+
+
+def _row(**kwargs) -> _Row:
+    params = dict(request=0, max_tokens=1, temperature=1.0, top_k=-1, top_p=1.0, stop_ids=frozenset(), stop_strings=())
+    params.update(kwargs)
+    return _Row(generator=torch.Generator(), **params)
+
+
+def test_top_k_and_top_p_restrict_the_candidates_but_not_the_reported_logprob():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    rows = [_row(top_k=2) for _ in range(200)] + [_row(top_p=0.65) for _ in range(200)] + [_row() for _ in range(400)]
+    for index, row in enumerate(rows):
+        row.generator.manual_seed(index)
+    tokens, logprobs = choose_tokens(logits.expand(len(rows), 4).clone(), rows)
+    assert set(tokens[:400].tolist()) == {0, 1}  # top-2, and top-p 0.65 keeps {0.4, 0.3}
+    assert set(tokens[400:].tolist()) == {0, 1, 2, 3}
+    np.testing.assert_allclose(logprobs.numpy(), logits[tokens].numpy(), atol=1e-6)  # unfiltered distribution
+    frequencies = np.bincount(tokens[400:].numpy(), minlength=4) / 400
+    np.testing.assert_allclose(frequencies, [0.4, 0.3, 0.2, 0.1], atol=0.07)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,8 +29,7 @@ def fake_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSer
     config = ProtocolConfig(
         long_poll_s=0.3,
         max_request_bytes=1_000_000,
-        sample_linger_s=0.2,
-        client_config={"fwdbwd_max_chunk_len": 2},
+        client_config={"fwdbwd_max_chunk_len": 2, "proto_compress_fwdbwd": True},  # small chunks, zstd bodies
     )
     with start_server(storage, engine=FakeEngine(storage), config=config) as server:
         yield server
@@ -92,13 +92,19 @@ def test_sampling_batches_concurrent_requests_and_matches_trainer_logprobs(
     trainer.optim_step(types.AdamParams(learning_rate=0.1)).result()
     sampler = trainer.save_weights_and_get_sampling_client().result()
     fake_server.engine.sample_batch_sizes.clear()
+    release = threading.Event()
+    held = fake_server.service.worker.call("hold the worker", lambda engine: release.wait(30))
     params = types.SamplingParams(max_tokens=4, seed=3, stop=[])
     futures = [sampler.sample(types.ModelInput.from_ints([1, 2]), 3, params) for _ in range(6)]
+    deadline = time.monotonic() + 30
+    while fake_server.service.worker.queue_depth()["samples"] < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    release.set()
+    held.result(timeout=30)
     responses = [f.result() for f in futures]
     assert all(len(r.sequences) == 3 for r in responses)
     assert len({s.sequence_id for r in responses for s in r.sequences}) == 18
-    assert max(fake_server.engine.sample_batch_sizes) > 1  # the worker drained them together
-    assert sum(fake_server.engine.sample_batch_sizes) == 6
+    assert fake_server.engine.sample_batch_sizes == [6]  # queued while the worker was busy: one engine call
     prompt = [4, 9, 2, 7]
     sampled = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
     trained = trainer.forward([_datum(prompt)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
@@ -119,6 +125,9 @@ def test_refused_requests_do_not_stall_or_corrupt_the_client(client: tinker.Serv
     )
     with pytest.raises(tinker.BadRequestError, match="has shape \\[2\\] but model_input has 3 tokens"):
         trainer.forward_backward([mismatched], "cross_entropy").result()
+    path = trainer.save_state("refusals").result().path
+    with pytest.warns(FutureWarning), pytest.raises(tinker.BadRequestError, match="create_training_client_from_state"):
+        trainer.load_state(path).result()  # the SDK's deprecated in-place load
     with pytest.raises(tinker.RequestFailedError, match="outside the vocab") as failure:
         trainer.forward_backward([_datum([1, VOCAB + 5, 2])], "cross_entropy").result()
     assert failure.value.category == tinker.types.RequestErrorCategory.User

@@ -80,3 +80,15 @@ def test_columns_and_arrow_table(smollm2_tokenizer):
         assert columns["num_trained_tokens"][row] == sum(1 for w in columns["weights"][row] if w > 0)
         assert columns["truncated"][row] == (columns["original_num_tokens"][row] > 40)
     assert table.column("tokens").to_pylist() == columns["tokens"]
+
+
+def test_word_cache_falls_back_to_the_tokenizer_when_a_spot_check_disagrees(smollm2_tokenizer):
+    from posttrain.renderers.codec import HuggingFaceCodec
+
+    codec = HuggingFaceCodec(smollm2_tokenizer)
+    texts = [message["content"] for conversation in plain_corpus(seed=12, size=20) for message in conversation]
+    exact = [codec.encode_content(text) for text in texts]  # the tokenizer itself, one string at a time
+    assert codec.encode_content_batch(texts) == exact
+    codec._words.encode_many = lambda batch: [[0] for _ in batch]  # a broken cache
+    assert codec.encode_content_batch(texts) == exact
+    assert codec._words is None

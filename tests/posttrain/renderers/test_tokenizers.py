@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from posttrain.renderers.codec import HuggingFaceCodec, TmlCodec, as_codec
+from posttrain.renderers.codec import TmlCodec, as_codec
 from posttrain.renderers.tokenizers import QWEN3_ADDED_TOKENS, QWEN3_FIRST_ADDED_ID
 from tests.posttrain.renderers.conversations import REASONINGS, TEXTS
 
@@ -11,7 +11,7 @@ def test_qwen3_ids_equal_tml_renderers(qwen3_tokenizer):
     from tml_renderers.tokenizers import Qwen3Tokenizer
 
     native = Qwen3Tokenizer()
-    codec = HuggingFaceCodec(qwen3_tokenizer)
+    codec = as_codec(qwen3_tokenizer)
     texts = list(TEXTS + REASONINGS) + ["Ǆ ﬁ Å Ω ﾊﾝｶｸ", "\r\n\r\n\t x", "x" * 300, "1234567890"]
     assert codec.encode_content_batch(texts) == [native.encode_ordinary(text) for text in texts]
     for text in texts:
@@ -29,7 +29,7 @@ def test_qwen3_marks_think_and_tool_tokens_ordinary(qwen3_tokenizer):
         assert special[ordinary] is False
     # the plain tokenizer still recognises them; our content encoding does not
     assert qwen3_tokenizer("<think>", add_special_tokens=False)["input_ids"] == [151667]
-    assert len(HuggingFaceCodec(qwen3_tokenizer).encode_content("<think>")) > 1
+    assert len(as_codec(qwen3_tokenizer).encode_content("<think>")) > 1
 
 
 def test_deepseek_tokenizer_is_tml_renderers(deepseek_tokenizer):
