@@ -101,7 +101,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="engine dtype")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
+    # One thread by default: on this 2-core machine shared with other jobs, 2-thread runs mostly measure
+    # OpenMP threads waiting for each other (both sides run 3-4x slower), not the engine.
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides (0 = torch default)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

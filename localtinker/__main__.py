@@ -31,6 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="require this X-API-Key on every request (default: $LOCALTINKER_API_KEY, else no key needed)",
     )
     serve.add_argument("--dtype", choices=DTYPES, default="float32")
+    serve.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice, one per core)"
+    )
     serve.add_argument("--max-request-mb", type=int, default=64, help="largest request body accepted")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser.parse_args(argv)
@@ -47,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     storage.mkdir(parents=True, exist_ok=True)
     config = ProtocolConfig(api_key=args.api_key, max_request_bytes=args.max_request_mb * 1024 * 1024)
     sock = bind_socket(args.host, args.port)
-    service = LocalTinkerService(build_engine(storage, args.dtype), storage, config)
+    service = LocalTinkerService(build_engine(storage, args.dtype, args.threads), storage, config)
     print(f"localtinker serving http://{args.host}:{sock.getsockname()[1]} (storage {storage})", flush=True)
     try:
         uvicorn.Server(uvicorn_config(service.build_app(), args.log_level)).run(sockets=[sock])

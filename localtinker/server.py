@@ -28,13 +28,13 @@ logger = logging.getLogger("localtinker")
 DTYPES = ("float32", "bfloat16")
 
 
-def build_engine(storage_dir: Path, dtype: str = "float32") -> Engine:
+def build_engine(storage_dir: Path, dtype: str = "float32", num_threads: int | None = None) -> Engine:
     """The real torch engine; imported lazily so the protocol layer loads without torch."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     from localtinker.engine.engine import LocalEngine
 
-    return LocalEngine(Path(storage_dir), dtype=dtype)
+    return LocalEngine(Path(storage_dir), dtype=dtype, num_threads=num_threads)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -6,7 +6,8 @@ point at a base model plus optional adapter weights (a checkpoint, or a snapshot
 model's current weights spilled to disk so long RL runs do not pile snapshots up in memory).
 
 Precision: ``float32`` is exact (sampler and trainer logprobs agree to ~1e-6); ``bfloat16`` keeps
-the frozen base weights in bf16 and the LoRA weights, gradients and Adam moments in float32.
+the frozen base weights in bf16 and the LoRA weights, gradients and Adam moments in float32; on CPUs
+without AMX its matmuls run in float32 (see models.py and README.md in this directory).
 """
 
 from __future__ import annotations

@@ -21,11 +21,32 @@ def token_logprobs(
         logits = lm_head(hidden[start : start + LOGIT_CHUNK_TOKENS]).float()
         if temperature != 1.0:
             logits = logits / temperature
-        chosen = logits.gather(-1, targets[start : start + LOGIT_CHUNK_TOKENS, None]).squeeze(-1)
-        pieces.append(chosen - torch.logsumexp(logits, dim=-1))
+        pieces.append(TargetLogprob.apply(logits, targets[start : start + LOGIT_CHUNK_TOKENS]))
     if not pieces:
         return hidden.new_zeros((0,), dtype=torch.float32)
     return torch.cat(pieces)
+
+
+class TargetLogprob(torch.autograd.Function):
+    """``logits[i, t_i] − logsumexp(logits[i])`` with a two-pass backward, ``g·(onehot − softmax)``.
+
+    Autograd's version of the same expression zero-fills a [tokens × vocab] buffer for the gather, then
+    adds the log-sum-exp gradient in further full passes; on the 49k-token vocabulary that was ~10% of
+    a LoRA SFT step.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        log_normaliser = torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(logits, log_normaliser, targets)
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - log_normaliser
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        logits, log_normaliser, targets = ctx.saved_tensors
+        grad = (logits - log_normaliser[:, None]).exp_().mul_(-grad_output[:, None])
+        grad.scatter_add_(-1, targets[:, None], grad_output[:, None])
+        return grad, None
 
 
 def next_token_logits(hidden_last: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from localtinker.engine.api import EngineUserError, UnknownModelError
+from localtinker.engine.hub_cache import register_tokenizer
 from localtinker.engine.packaged import SMOLLM2_NAME, localtinker_home, smollm2_hf_dir
 
 TINY_RANDOM_NAME = "localtinker/tiny-random"
@@ -127,6 +128,8 @@ def load_base_model(name: str, dtype: str) -> BaseModel:
             f"{SMOLLM2_NAME!r}, {TINY_RANDOM_NAME!r}, a local HF model directory, or a hub id on a machine "
             "with network access."
         ) from error
+    if source != name:
+        register_tokenizer(name, Path(source))
     if DTYPES[dtype] != torch.float32:
         _use_float32_head(model)
         if not cpu_has_fast_bf16_matmul():

@@ -64,3 +64,14 @@ def test_ephemeral_and_base_model_samplers(service_client: tinker.ServiceClient)
     assert not np.allclose(base_scores, current.compute_logprobs(PROMPT).result()[1:], atol=1e-4)
     out = base.sample(PROMPT, num_samples=2, sampling_params=types.SamplingParams(max_tokens=3, seed=0)).result()
     assert len(out.sequences) == 2 and all(1 <= len(s.tokens) <= 3 for s in out.sequences)
+
+
+def test_sampling_client_loads_its_tokenizer_by_model_name_offline(
+    service_client: tinker.ServiceClient, smollm2_tokenizer
+) -> None:
+    # The SDK resolves a sampler's tokenizer by hub id; localtinker publishes it in the HF cache.
+    sampler = service_client.create_sampling_client(base_model=TINY_MODEL)
+    tokenizer = sampler.get_tokenizer()
+
+    text = "<|im_start|>assistant\n12 + 7 = 19<|im_end|>"
+    assert tokenizer.encode(text) == smollm2_tokenizer.encode(text)
