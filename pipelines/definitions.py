@@ -3,7 +3,7 @@
 Resources are chosen in one place (:func:`default_resources`) from the environment:
 - ``TINKER_API_KEY`` set → hosted Tinker (the key is read through ``dg.EnvVar``, never stored in config);
   otherwise an embedded localtinker, or the server at ``TINKER_BASE_URL`` when that is set;
-- ``POSTTRAIN_BASE_MODEL`` (default SmolLM2-135M-Instruct) and ``LOCALTINKER_DTYPE`` (default bfloat16);
+- ``POSTTRAIN_BASE_MODEL`` (default SmolLM2-135M-Instruct) and ``LOCALTINKER_DTYPE`` (default float32: exact, and the fastest on CPUs without AMX);
 - MLflow and parquet storage under the absolute project state dir (``POSTTRAIN_STATE_DIR``, default
   ``<repo>/.state``).
 Tests build their own with :func:`build_definitions`.
@@ -33,7 +33,7 @@ def tinker_resource_from_env() -> TinkerResource:
         api_key=dg.EnvVar("TINKER_API_KEY") if os.environ.get("TINKER_API_KEY") else None,
         base_url=dg.EnvVar("TINKER_BASE_URL") if os.environ.get("TINKER_BASE_URL") else None,
         base_model=os.environ.get("POSTTRAIN_BASE_MODEL", DEFAULT_BASE_MODEL),
-        local_dtype=os.environ.get("LOCALTINKER_DTYPE", "bfloat16"),
+        local_dtype=os.environ.get("LOCALTINKER_DTYPE", "float32"),
     )
 
 

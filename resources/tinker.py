@@ -146,8 +146,11 @@ class TinkerResource(dg.ConfigurableResource):
     )
     base_model: str = Field(default=DEFAULT_BASE_MODEL, description="Base model used when an asset names none.")
     local_dtype: str = Field(
-        default="bfloat16",
-        description="Precision of the embedded localtinker: bfloat16 (fast mixed precision) or float32 (exact).",
+        default="float32",
+        description=(
+            "Precision of the embedded localtinker: float32 (exact: sampler and trainer logprobs agree; also the "
+            "fastest on CPUs without AMX) or bfloat16 (bf16 weights, fp32 LoRA/optimizer)."
+        ),
     )
 
     _client: tinker.ServiceClient | None = PrivateAttr(default=None)

@@ -36,21 +36,56 @@ class TaskEntry:
     seed: int
     index: int
     entry: dict[str, Any]
+    variant: str = ""  # the task's option string ("min_terms=2&max_digits=2"), part of the row id
 
     @property
     def row_id(self) -> str:
-        return f"reasoning_gym/{self.task}/seed{self.seed}/{self.index}"
+        task = f"{self.task}?{self.variant}" if self.variant else self.task
+        return f"reasoning_gym/{task}/seed{self.seed}/{self.index}"
 
 
 def parse_tasks(source: str) -> tuple[str, ...]:
-    """"reasoning_gym:basic_arithmetic,chain_sum" -> the task names (all tasks by default)."""
+    """"reasoning_gym:basic_arithmetic?max_digits=2,chain_sum" -> the task specs (all tasks by default).
+
+    A task may carry reasoning-gym config options as ``?key=value&key=value`` (ints, floats, true/false,
+    else strings), e.g. ``basic_arithmetic?min_terms=2&max_terms=2&max_digits=2&operators=+`` for
+    "Calculate 43 + 12." problems a 135M model can learn within a demo.
+    """
     names = source.removeprefix(SOURCE_PREFIX).strip()
     tasks = tuple(t.strip() for t in names.split(",") if t.strip()) or DEFAULT_TASKS
     known = _registered_tasks()
-    unknown = [t for t in tasks if t not in known]
+    unknown = [t for t in tasks if split_task(t)[0] not in known]
     if unknown:
         raise ValueError(f"{source!r}: unknown reasoning-gym task(s) {unknown}; e.g. {', '.join(DEFAULT_TASKS)}")
     return tasks
+
+
+def split_task(spec: str) -> tuple[str, str]:
+    """"basic_arithmetic?max_digits=2" -> ("basic_arithmetic", "max_digits=2")."""
+    name, _, variant = spec.partition("?")
+    return name.strip(), variant.strip()
+
+
+def task_options(spec: str) -> dict[str, Any]:
+    """The config keyword arguments a task spec names; says which part is malformed."""
+    options: dict[str, Any] = {}
+    for part in filter(None, split_task(spec)[1].split("&")):
+        key, sep, raw = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"reasoning-gym task {spec!r}: option {part!r} is not key=value")
+        options[key.strip()] = _option_value(raw.strip())
+    return options
+
+
+def _option_value(raw: str) -> Any:
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    for parse in (int, float):
+        try:
+            return parse(raw)
+        except ValueError:
+            pass
+    return raw
 
 
 def _registered_tasks() -> frozenset[str]:
@@ -63,13 +98,17 @@ def generate(tasks: tuple[str, ...], size: int, seed: int) -> Iterator[TaskEntry
     """`size` entries spread evenly over the tasks, task by task."""
     import reasoning_gym
 
-    for position, task in enumerate(tasks):
+    for position, spec in enumerate(tasks):
         count = size // len(tasks) + (1 if position < size % len(tasks) else 0)
         if count == 0:
             continue
-        dataset = reasoning_gym.create_dataset(task, size=count, seed=seed)
+        task, variant = split_task(spec)
+        try:
+            dataset = reasoning_gym.create_dataset(task, size=count, seed=seed, **task_options(spec))
+        except (TypeError, AssertionError) as error:
+            raise ValueError(f"reasoning-gym task {spec!r}: invalid options ({error})") from error
         for index in range(count):
-            yield TaskEntry(task=task, seed=seed, index=index, entry=dataset[index])
+            yield TaskEntry(task=task, seed=seed, index=index, entry=dataset[index], variant=variant)
 
 
 @lru_cache(maxsize=None)
