@@ -31,7 +31,6 @@ $(STAMP): pyproject.toml scripts/system_deps.sh
 
 install: $(STAMP)
 	@$(PY) -m localtinker.engine.packaged >/dev/null
-	@mkdir -p $(DAGSTER_HOME) && cp -f dagster.yaml $(DAGSTER_HOME)/dagster.yaml
 
 demo: install
 	$(PY) -m pipelines demo

@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipelines", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="materialize the whole SFT slice and its eval reports")
-    demo.add_argument("--max-steps", type=int, default=0, help="cap on training steps (0: one full epoch)")
+    demo.add_argument("--max-steps", type=int, default=0, help="training steps (default 40; the demo config in pipelines/demo.py)")
     demo.add_argument("--final-only", action="store_true", help="evaluate only the final checkpoint")
     commands.add_parser("ui", help="serve the Dagster UI (:3000) and the MLflow UI (:5000) on loopback")
     lineage = commands.add_parser("lineage", help="trace a checkpoint to its run, data and base model")

@@ -10,9 +10,6 @@ Names resolve in this order:
 
 from __future__ import annotations
 
-import fcntl
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,12 +17,11 @@ import torch
 
 from localtinker.engine.api import EngineUserError, UnknownModelError
 from localtinker.engine.hub_cache import register_tokenizer
-from localtinker.engine.packaged import SMOLLM2_NAME, localtinker_home, smollm2_hf_dir
+from localtinker.engine.packaged import SMOLLM2_NAME, cached_model_dir, localtinker_home, smollm2_hf_dir
 
 TINY_RANDOM_NAME = "localtinker/tiny-random"
 _TINY_RANDOM_VERSION = "v1"
 _TINY_RANDOM_SEED = 1234
-_COMPLETE_MARKER = ".complete"
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -51,17 +47,10 @@ def tiny_random_dir() -> Path:
     ``tokenizer_id`` is a real local directory. Deterministic: the same seed gives the same weights.
     """
     target = localtinker_home() / "models" / f"tiny-random-{_TINY_RANDOM_VERSION}"
-    if (target / _COMPLETE_MARKER).is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        if not (target / _COMPLETE_MARKER).is_file():
-            _build_tiny_random(target)
-    return target
+    return cached_model_dir(target, _build_tiny_random)
 
 
-def _build_tiny_random(target: Path) -> None:
+def _build_tiny_random(staging: Path) -> str:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer_dir = smollm2_hf_dir()
@@ -81,24 +70,16 @@ def _build_tiny_random(target: Path) -> None:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(_TINY_RANDOM_SEED)
     try:
-        generator_state = torch.random.get_rng_state()
-        torch.manual_seed(_TINY_RANDOM_SEED)
-        try:
-            model = LlamaForCausalLM(config)
-        finally:
-            torch.random.set_rng_state(generator_state)
-        model.config._name_or_path = TINY_RANDOM_NAME
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        (staging / _COMPLETE_MARKER).write_text(f"seed {_TINY_RANDOM_SEED}\n")
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    model.config._name_or_path = TINY_RANDOM_NAME
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    return f"seed {_TINY_RANDOM_SEED}"
 
 
 def resolve_model_dir(name: str) -> str:

@@ -15,6 +15,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -46,47 +47,58 @@ def smollm2_gguf_path() -> Path:
     return gguf_path
 
 
-def smollm2_hf_dir() -> Path:
-    """Returns the converted HF directory of SmolLM2-135M-Instruct, converting it on first use."""
-    target = localtinker_home() / "models" / _CONVERTED_DIRNAME
+def cached_model_dir(target: Path, build: Callable[[Path], str]) -> Path:
+    """Returns ``target``, first running ``build(staging_dir)`` once if it is not complete yet.
+
+    ``build`` writes the model into an empty staging directory and returns a line for the completion
+    marker; the staging directory is renamed into place only when it succeeds, under a file lock.
+    """
     if (target / _COMPLETE_MARKER).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{_CONVERTED_DIRNAME}.lock", "w") as lock_file:
+    with open(target.parent / f".{target.name}.lock", "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
-        if not (target / _COMPLETE_MARKER).is_file():
-            _convert_gguf(smollm2_gguf_path(), target)
+        if (target / _COMPLETE_MARKER).is_file():
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            marker = build(staging)
+            staging.chmod(0o755)
+            (staging / _COMPLETE_MARKER).write_text(marker + "\n")
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return target
 
 
-def _convert_gguf(gguf_path: Path, target: Path) -> None:
+def smollm2_hf_dir() -> Path:
+    """Returns the converted HF directory of SmolLM2-135M-Instruct, converting it on first use."""
+    target = localtinker_home() / "models" / _CONVERTED_DIRNAME
+    return cached_model_dir(target, lambda staging: _convert_gguf(smollm2_gguf_path(), staging))
+
+
+def _convert_gguf(gguf_path: Path, staging: Path) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        # The GGUF loader marks the model as quantised (de-quantised tensors, but not serialisable),
-        # so rebuild a plain model from its config and move the de-quantised weights across.
-        config = loaded.config
-        if hasattr(config, "quantization_config"):
-            delattr(config, "quantization_config")
-        config._name_or_path = SMOLLM2_NAME
-        model = AutoModelForCausalLM.from_config(config)
-        missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
-        if unexpected or [key for key in missing if key != "lm_head.weight"]:
-            raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
-        model.tie_weights()
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        staging.chmod(0o755)
-        (staging / _COMPLETE_MARKER).write_text(f"converted from {gguf_path.name}\n")
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # The GGUF loader marks the model as quantised (de-quantised tensors, but not serialisable),
+    # so rebuild a plain model from its config and move the de-quantised weights across.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config._name_or_path = SMOLLM2_NAME
+    model = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    if unexpected or [key for key in missing if key != "lm_head.weight"]:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    model.tie_weights()
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    return f"converted from {gguf_path.name}"
 
 
 def main() -> None:
