@@ -16,7 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="materialize the whole SFT slice and its eval reports")
     demo.add_argument("--max-steps", type=int, default=0, help="training steps (default 40; the demo config in pipelines/demo.py)")
     demo.add_argument("--final-only", action="store_true", help="evaluate only the final checkpoint")
-    commands.add_parser("ui", help="serve the Dagster UI (:3000) and the MLflow UI (:5000) on loopback")
+    ui = commands.add_parser("ui", help="serve the Dagster UI (:3000) and the MLflow UI (:5000) on loopback")
+    ui.add_argument("--dagster-port", type=int, default=3000)
+    ui.add_argument("--mlflow-port", type=int, default=5000)
     lineage = commands.add_parser("lineage", help="trace a checkpoint to its run, data and base model")
     lineage.add_argument("reference", nargs="?", help="tinker:// path, <registered-model>/<version> or partition key")
     lineage.add_argument("--list", action="store_true", help="list known checkpoints")
@@ -28,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "ui":
         from pipelines.ui import serve
 
-        return serve()
+        return serve(args.dagster_port, args.mlflow_port)
     if args.command == "demo":
         from pipelines.definitions import defs
         from pipelines.demo import format_demo, run_demo

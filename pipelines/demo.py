@@ -87,6 +87,6 @@ def format_demo(result: DemoResult) -> str:
             "",
             "Where to look:",
             "  make ui                 Dagster UI http://127.0.0.1:3000 (assets, runs, checks), MLflow UI http://127.0.0.1:5000",
-            f"  python -m pipelines lineage {final.registered_model}/{final.model_version}",
+            f"  .venv/bin/python -m pipelines lineage {final.registered_model}/{final.model_version}",
         ]
     return "\n".join(lines)

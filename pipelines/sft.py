@@ -76,7 +76,7 @@ def build_recipe_jobs(
         train=train,
         evaluate=evaluate,
         chain=chain,
-        sensor=new_checkpoint_sensor(f"{recipe}_evaluate_new_checkpoints", evaluate, partitions),
+        sensor=new_checkpoint_sensor(f"{recipe}_evaluate_new_checkpoints", evaluate, partitions, eval_asset),
         schedule=reevaluate_newest_schedule(
             f"{recipe}_reevaluate_newest_checkpoints", evaluate, partitions, reeval_cron, reeval_newest
         ),
@@ -84,9 +84,13 @@ def build_recipe_jobs(
 
 
 def new_checkpoint_sensor(
-    name: str, job: dg.UnresolvedAssetJobDefinition, partitions: dg.DynamicPartitionsDefinition
+    name: str, job: dg.UnresolvedAssetJobDefinition, partitions: dg.DynamicPartitionsDefinition, eval_asset: str
 ) -> dg.SensorDefinition:
-    """One eval run per checkpoint partition not seen before; the cursor is the set of partitions seen."""
+    """One eval run per checkpoint partition not seen before; the cursor is the set of partitions seen.
+
+    Partitions whose eval asset is already materialized (e.g. `make demo` evaluated them in-process
+    before the daemon ever ran) count as seen, so turning on the UI does not repeat those evals.
+    """
 
     @dg.sensor(
         name=name,
@@ -98,13 +102,14 @@ def new_checkpoint_sensor(
     def _sensor(context: dg.SensorEvaluationContext) -> Iterator[dg.RunRequest | dg.SkipReason]:
         seen = set(json.loads(context.cursor)) if context.cursor else set()
         current = context.instance.get_dynamic_partitions(partitions.name)
-        new = [key for key in current if key not in seen]
+        evaluated = context.instance.get_materialized_partitions(dg.AssetKey(eval_asset))
+        new = [key for key in current if key not in seen and key not in evaluated]
         if not new:
             yield dg.SkipReason(f"no new {partitions.name} partitions ({len(current)} known)")
             return
         for key in new:
             yield dg.RunRequest(run_key=f"evaluate:{key}", partition_key=key, tags={"posttrain/trigger": "new-checkpoint"})
-        context.update_cursor(json.dumps(sorted(seen | set(new))))
+        context.update_cursor(json.dumps(sorted(seen | set(current))))
 
     return _sensor
 

@@ -69,15 +69,23 @@ def stop(process: subprocess.Popen, timeout_s: float = 20.0) -> None:
         process.wait()
 
 
-def serve() -> int:
-    os.environ.setdefault("MLFLOW_UI_URL", f"http://{HOST}:{MLFLOW_PORT}")
-    mlflow = start_mlflow()
-    dagster = start_dagster()
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def serve(dagster_port: int = DAGSTER_PORT, mlflow_port: int = MLFLOW_PORT) -> int:
+    # The servers run in their own process groups, so a SIGTERM/SIGHUP to this process must stop them
+    # explicitly (the default action would exit without running `finally`, orphaning both).
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
+    os.environ.setdefault("MLFLOW_UI_URL", f"http://{HOST}:{mlflow_port}")
+    mlflow = start_mlflow(mlflow_port)
+    dagster = start_dagster(dagster_port)
     try:
-        wait_until_up(f"http://{HOST}:{MLFLOW_PORT}/health", mlflow)
-        wait_until_up(f"http://{HOST}:{DAGSTER_PORT}/server_info", dagster)
-        print(f"Dagster UI  http://{HOST}:{DAGSTER_PORT}   (DAGSTER_HOME={os.environ['DAGSTER_HOME']})")
-        print(f"MLflow UI   http://{HOST}:{MLFLOW_PORT}    ({default_mlflow_tracking_uri()})")
+        wait_until_up(f"http://{HOST}:{mlflow_port}/health", mlflow)
+        wait_until_up(f"http://{HOST}:{dagster_port}/server_info", dagster)
+        print(f"Dagster UI  http://{HOST}:{dagster_port}   (DAGSTER_HOME={os.environ['DAGSTER_HOME']})")
+        print(f"MLflow UI   http://{HOST}:{mlflow_port}    ({default_mlflow_tracking_uri()})")
         print("Ctrl-C stops both.", flush=True)
         while dagster.poll() is None and mlflow.poll() is None:
             time.sleep(1.0)

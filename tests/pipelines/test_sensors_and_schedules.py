@@ -42,6 +42,20 @@ def test_sensor_requests_one_eval_per_new_checkpoint_and_remembers_them(dagster_
     assert [r.partition_key for r in sensor(context)] == ["sft-bbbb-000010"]
 
 
+def test_sensor_skips_checkpoints_already_evaluated_outside_the_daemon(dagster_instance, project_state):
+    # `make demo` evaluates its checkpoints in-process; starting `make ui` afterwards must not redo them.
+    sensor = _defs(project_state).resolve_sensor_def(SENSOR)
+    dagster_instance.add_dynamic_partitions("checkpoints", ["sft-cccc-000010", "sft-cccc-000020"])
+    dagster_instance.report_runless_asset_event(
+        dg.AssetMaterialization(asset_key="eval_report", partition="sft-cccc-000010")
+    )
+
+    context = dg.build_sensor_context(instance=dagster_instance)
+    assert [r.partition_key for r in sensor(context)] == ["sft-cccc-000020"]
+    context = dg.build_sensor_context(instance=dagster_instance, cursor=context.cursor)
+    assert all(isinstance(r, dg.SkipReason) for r in sensor(context))
+
+
 def test_schedule_reevaluates_the_three_newest_checkpoints_and_is_off_by_default(dagster_instance, project_state):
     schedule = _defs(project_state).resolve_schedule_def(SCHEDULE)
     assert schedule.default_status == dg.DefaultScheduleStatus.STOPPED
