@@ -54,7 +54,10 @@ def register_tokenizer(hub_id: str, source_dir: Path, hub_cache: Path | None = N
         for name in TOKENIZER_FILES:
             if (source_dir / name).is_file():
                 shutil.copy2(source_dir / name, staging / name)
-        os.replace(staging, snapshot) if not snapshot.exists() else shutil.rmtree(staging)
+        if snapshot.exists():  # another process published the same files first
+            shutil.rmtree(staging)
+        else:
+            os.replace(staging, snapshot)
         (repo_dir / "refs").mkdir(exist_ok=True)
         (repo_dir / "refs" / "main").write_text(revision)
     except OSError as error:  # a read-only cache only costs the by-name convenience
