@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM := false
 # The install stamp is keyed on the dependency spec, so re-running with an unchanged venv is instant.
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml scripts/system_deps.sh 2>/dev/null | sha256sum | cut -c1-16)
 
-.PHONY: install demo test test-slow test-all ui bench clean-state
+.PHONY: install demo test test-slow test-all test-postgres ui bench clean-state
 
 $(STAMP): pyproject.toml scripts/system_deps.sh
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -42,7 +42,13 @@ test-slow: install
 	$(PY) -m pytest -q -m slow
 
 test-all: install
-	$(PY) -m pytest -q -m "not remote"
+	$(PY) -m pytest -q -m "not remote and not postgres"
+
+# The scale-out profile (deploy/postgres) on a throwaway PostgreSQL on 127.0.0.1 (apt-installs it as root if missing).
+test-postgres: install
+	bash scripts/install_postgres.sh
+	$(PIP) install -q -e '.[test,postgres]'
+	$(PY) -m pytest -q -m postgres tests/scaleout
 
 ui: install
 	$(PY) -m pipelines ui

@@ -20,6 +20,7 @@ from resources.state import state_subdir
 @dataclass
 class CheckpointManifest:
     partition: str
+    recipe: str
     name: str
     step: int
     epoch: int | None
@@ -37,6 +38,12 @@ class CheckpointManifest:
     registered_model: str
     model_version: str
     upstream: dict[str, dict[str, Any]] = field(default_factory=dict)  # asset key -> {data_version, run_id, ...}
+    # Chaining: the tinker:// state training started from, and the checkpoint partition it names (None: base model).
+    init_from: str | None = None
+    parent_partition: str | None = None
+    tokenizer: str = ""  # identity of the tokenizer the training tokens were rendered with
+    mlflow_model_id: str = ""  # the MLflow 3 logged model of this checkpoint
+    related: dict[str, Any] = field(default_factory=dict)  # recipe-specific lineage: reference, teachers, sampler...
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,8 +58,10 @@ def manifest_path(partition: str) -> Path:
 
 
 def write_manifest(manifest: CheckpointManifest) -> Path:
-    """Atomic write (temp + rename): a reader never sees half a manifest."""
+    """Atomic write (temp + rename): a reader never sees half a manifest; rewriting the same one is a no-op."""
     path = manifest_path(manifest.partition)
+    if path.exists() and json.loads(path.read_text()) == manifest.to_json():
+        return path
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text(json.dumps(manifest.to_json(), indent=2))
     os.replace(temporary, path)
@@ -64,9 +73,13 @@ def read_manifest(partition: str) -> CheckpointManifest:
     if not path.exists():
         raise FileNotFoundError(
             f"no checkpoint manifest {path} for partition {partition!r}: it was made under another "
-            "POSTTRAIN_STATE_DIR, or its training run died before registering it (re-run the SFT job)."
+            "POSTTRAIN_STATE_DIR, or its training run died before registering it (re-execute that training run from failure)."
         )
     return CheckpointManifest(**json.loads(path.read_text()))
+
+
+def manifest_exists(partition: str) -> bool:
+    return manifest_path(partition).exists()
 
 
 def all_manifests() -> list[CheckpointManifest]:

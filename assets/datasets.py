@@ -2,10 +2,12 @@
 
 Every data asset returns a `pyarrow.Table` stored as parquet by `resources.parquet_io.ParquetIOManager`
 (resource key "io_manager"), sets its content digest as the Dagster data version, and validates its
-rows with inline blocking checks, so a bad table never feeds a training run.
+rows with inline blocking checks evaluated before the table is stored (`checked_table_output`): a
+table that fails one is never written, so it never feeds a training run, in this run or a later one.
 
-The held-out rows used for evaluation are in the same table, marked `split == "heldout"` (chosen by a
-hash of row_id, `heldout_fraction` of the rows); trainers use `split == "train"`.
+The held-out rows used for evaluation are in the same table, marked `split == "heldout"`: a row is held
+out when the hash of its normalized prompt falls below `heldout_fraction` (posttrain.datasets.splits),
+so membership never depends on `limit` or source order; trainers use `split == "train"`.
 """
 
 import warnings
@@ -44,7 +46,11 @@ class SourceConfig(dg.Config):
         "rl: question, answer; code: prompt, tests, entry_point, test_code).",
     )
     limit: int | None = Field(default=400, description="Read at most this many rows (generators: generate this many).")
-    heldout_fraction: float = Field(default=0.1, description="Fraction of rows marked split='heldout' for evals.")
+    heldout_fraction: float = Field(
+        default=0.1,
+        description="Share of prompts held out for evals (split='heldout'): a row is held out when the hash of "
+        "its normalized prompt is below this, so the split is stable under limit and ordering.",
+    )
     seed: int = Field(default=0, description="Generator seed (reasoning_gym sources).")
     skip_bad_rows: bool = Field(
         default=False,
@@ -136,6 +142,37 @@ def failures_check(name: str, failures: list[str], **metadata) -> dg.AssetCheckR
     )
 
 
+def checked_table_output(asset_name: str, output: dg.Output, checks: list[dg.AssetCheckResult]) -> Iterator:
+    """The output then its check results when every check passed; otherwise the check results (recorded
+    as failed evaluations) and a Failure, without the output.
+
+    Blocking checks are evaluated before anything is stored: a table that failed one is never written,
+    so neither this run's downstream steps nor any later run can read it (a later run reads the last
+    table that passed, or finds none). When all pass, the output comes first so the check results
+    attach to this very materialization.
+    """
+    failed = [check for check in checks if not check.passed]
+    if not failed:
+        yield output
+        yield from checks
+        return
+    yield from checks
+    details = "; ".join(f"{check.check_name}: {_check_summary(check)}" for check in failed)
+    raise dg.Failure(
+        description=f"{asset_name}: blocking check(s) failed, table not stored (nothing can train on it): {details}",
+        metadata={"failed_checks": dg.MetadataValue.text(", ".join(check.check_name for check in failed)),
+                  "rows_checked": dg.MetadataValue.int(output.value.num_rows)},
+    )
+
+
+def _check_summary(check: dg.AssetCheckResult) -> str:
+    metadata = {key: getattr(value, "value", value) for key, value in (check.metadata or {}).items()}
+    if "problems" in metadata:
+        return str(metadata["problems"])
+    samples = str(metadata.get("samples", "")).replace("\n", " ")
+    return f"{metadata.get('failed_rows', '?')} failed rows ({samples})"
+
+
 def blocking(asset_name: str, *checks: tuple[str, str]) -> list[dg.AssetCheckSpec]:
     return [dg.AssetCheckSpec(name, asset=asset_name, blocking=True, description=text) for name, text in checks]
 
@@ -185,6 +222,11 @@ def empty_conversation_failures(table: pa.Table) -> list[str]:
 def chat_dataset(config: SourceConfig) -> Iterator:
     with data_errors("chat_dataset"):
         loaded = load(config.load_spec("chat"))
-    yield loaded_output(loaded, messages_preview(loaded.table, ("messages",)))
-    yield schema_check(loaded.table, schemas.CHAT)
-    yield failures_check("has_assistant_turns", empty_conversation_failures(loaded.table))
+    yield from checked_table_output(
+        "chat_dataset",
+        loaded_output(loaded, messages_preview(loaded.table, ("messages",))),
+        [
+            schema_check(loaded.table, schemas.CHAT),
+            failures_check("has_assistant_turns", empty_conversation_failures(loaded.table)),
+        ],
+    )

@@ -1,250 +1,249 @@
-"""Eval reports, one per checkpoint partition: the checkpoint against its base model on held-out data.
+"""Eval reports for every recipe, from one factory: a checkpoint against its base model and its parent.
 
-For the partition's checkpoint (looked up by partition key in its manifest, never "the newest file")
-and for the base model it was trained from, the asset measures
-- held-out NLL and bits per byte on the ``heldout`` split of the rendered tokens, and
-- sampled task accuracy (greedy) on the ``heldout`` conversations of the chat dataset: the last user
-  turn is the question, the last assistant turn the gold answer,
-then stores a ``metric | base | checkpoint | delta | better`` table as parquet, shows it as markdown,
-logs it to its own MLflow run (and onto the training run's eval curve and the model version's tags),
-and raises a WARN asset check when the checkpoint is worse than the base model.
+``build_eval_asset(spec)`` makes ``<recipe>_eval_report``, partitioned like ``<recipe>_checkpoints``
+(one report per saved checkpoint). For the partition's checkpoint (its manifest, never "the newest
+file") it
+- loads the **exact data versions the checkpoint was trained on** (the versioned parquet files recorded
+  in its manifest), so a re-materialized dataset never changes an old checkpoint's numbers and held-out
+  rows are the ones held out from *that* run;
+- runs the recipe's evaluators (``spec.evaluators``: NLL/bpb, greedy task accuracy, pass@k, pair
+  accuracy ... from ``posttrain.eval``) on the checkpoint, its base model and its parent (``init_from``);
+  base and parent scores are cached by (model, data versions, eval config), so ten checkpoints score the
+  base once;
+- writes a ``metric | base | parent | checkpoint | Δ`` table as parquet, markdown in the UI, an MLflow
+  run (and the numbers onto the training run's curve and the model version's tags), keeps the MLflow
+  aliases ``latest`` and ``best`` (by ``spec.score_metric``) of the recipe's registered model current,
+  and a WARN check when the checkpoint is worse than its base model.
 
-Base-model numbers depend only on the base weights, the held-out data and the eval settings, so they
-are cached under the state dir keyed by those digests: evaluating ten checkpoints scores the base once.
+Every new checkpoint is evaluated once without anyone asking: the asset's automation condition is
+``on_missing`` (a partition added by training, whose checkpoint partition is materialized), run by the
+automation sensor in ``pipelines``. It depends only on its own ``<recipe>_checkpoints`` partition (an
+external asset), so a new training run does not mark earlier reports stale.
 """
+
 
 import hashlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
 
 import dagster as dg
 import pyarrow as pa
-from pydantic import Field
+import pyarrow.parquet as pq
+from pydantic import Field, create_model
 
 from assets.checkpoint_manifest import CheckpointManifest, read_manifest
-from assets.checkpoints import CHECKPOINTS, TOKENS_ASSET, TRAINING_ASSET
-from assets.upstream import latest_version
-from posttrain.datasets.schemas import HELDOUT_SPLIT
-from posttrain.eval.accuracy import TaskProblem, evaluate_accuracy
-from posttrain.eval.base import EvalTarget
-from posttrain.eval.nll import evaluate_nll
-from posttrain.supervised.data import RenderedTokens
+from assets.registration import checkpoints_asset_key
+from assets.training import TrainingSpec
+from posttrain.eval.base import EvalTarget, Evaluator, run_evaluators
+from posttrain.eval.report import comparison_rows, markdown, report_table, worse
 from resources.mlflow import MlflowResource
 from resources.models import load_tokenizer
 from resources.state import state_subdir
 from resources.tinker import TinkerResource
 
-CHAT_ASSET = "chat_dataset"
+EVAL_GROUP = "eval"
 IMPROVES_CHECK = "improves_on_base"
-LOWER_IS_BETTER = {"nll": True, "bpb": True, "accuracy": False}
 
 
 class EvalConfig(dg.Config):
     max_heldout_sequences: int = Field(default=64, description="Held-out token sequences scored for NLL/bpb (0 = all).")
-    max_problems: int = Field(default=48, description="Held-out conversations sampled for task accuracy (0 = all).")
+    max_problems: int = Field(default=48, description="Held-out problems sampled for task accuracy / pass@k (0 = all).")
     max_tokens: int = Field(default=32, description="Sampling budget per answer.")
+    pass_k: int = Field(default=4, description="k of pass@k (samples per problem at temperature 1); 0 = skip pass@k.")
     seed: int = Field(default=0, description="Sampling seed (greedy top_k=1, so only ties depend on it).")
 
 
+@dataclass
+class EvalInputs:
+    """What ``EvalSpec.evaluators`` gets: the checkpoint, its exact training data, tokenizer and settings."""
+
+    manifest: CheckpointManifest
+    tables: dict[str, pa.Table]  # asset key -> the version the checkpoint was trained on
+    tokenizer: Any
+    config: EvalConfig
+
+
 @dataclass(frozen=True)
-class ModelScores:
-    nll: float
-    bpb: float
-    accuracy: float
-    num_sequences: int
-    num_problems: int
+class EvalSpec:
+    training: TrainingSpec
+    data_assets: tuple[str, ...]  # upstream tables (recorded in the manifest) the evaluators read
+    evaluators: Callable[[EvalInputs], Sequence[Evaluator]]
+    score_metric: str = "accuracy"  # the held-out task score the MLflow alias `best` follows
+    config_defaults: Mapping[str, Any] = field(default_factory=dict)  # EvalConfig defaults that differ for this recipe
 
-    def metric(self, name: str) -> float:
-        return getattr(self, name)
-
-
-def problems_from_chat(table: pa.Table, limit: int) -> list[TaskProblem]:
-    """Held-out conversations as question/gold-answer problems (last user turn, last assistant turn)."""
-    problems = []
-    for row in table.to_pylist():
-        if row.get("split") != HELDOUT_SPLIT:
-            continue
-        messages = row["messages"]
-        users = [m["content"] for m in messages if m["role"] == "user"]
-        answers = [m["content"] for m in messages if m["role"] == "assistant"]
-        systems = [m["content"] for m in messages if m["role"] == "system"]
-        if users and answers:
-            problems.append(
-                TaskProblem(question=users[-1], answer=answers[-1], row_id=row["row_id"], system=systems[0] if systems else None)
-            )
-    return problems[:limit] if limit else problems
+    @property
+    def asset_name(self) -> str:
+        return f"{self.training.recipe}_eval_report"
 
 
-def score_model(
-    target: EvalTarget, renderer, tokenizer, heldout: RenderedTokens, problems: list[TaskProblem], config: EvalConfig
-) -> tuple[ModelScores, list[dict]]:
-    count = len(heldout) if not config.max_heldout_sequences else min(len(heldout), config.max_heldout_sequences)
-    nll = evaluate_nll(target, heldout.data_at(range(count)), tokenizer)
-    accuracy = evaluate_accuracy(target, renderer, problems, max_tokens=config.max_tokens, seed=config.seed)
-    scores = ModelScores(nll.nll, nll.bits_per_byte, accuracy.accuracy, count, accuracy.num_samples)
-    return scores, accuracy.row_dicts()
-
-
-def report_table(base: ModelScores, checkpoint: ModelScores) -> pa.Table:
-    rows = []
-    for name, lower_is_better in LOWER_IS_BETTER.items():
-        delta = checkpoint.metric(name) - base.metric(name)
-        rows.append(
-            {
-                "metric": name,
-                "base": base.metric(name),
-                "checkpoint": checkpoint.metric(name),
-                "delta": delta,
-                "better": bool(delta < 0 if lower_is_better else delta > 0),
-            }
-        )
-    return pa.Table.from_pylist(rows)
-
-
-def worse_than_base(table: pa.Table) -> list[str]:
-    """Metrics on which the checkpoint is strictly worse than its base model (equal is not worse)."""
-    worse = []
-    for row in table.to_pylist():
-        lower_is_better = LOWER_IS_BETTER[row["metric"]]
-        if (row["delta"] > 0) if lower_is_better else (row["delta"] < 0):
-            worse.append(row["metric"])
-    return worse
-
-
-def markdown(table: pa.Table, manifest: CheckpointManifest) -> str:
-    lines = [
-        f"**{manifest.partition}** (step {manifest.step}) vs base `{manifest.base_model}`",
-        "",
-        "| metric | base | checkpoint | delta | |",
-        "|---|---:|---:|---:|---|",
-    ]
-    for row in table.to_pylist():
-        mark = "better" if row["better"] else ("equal" if row["delta"] == 0 else "worse")
-        lines.append(f"| {row['metric']} | {row['base']:.4f} | {row['checkpoint']:.4f} | {row['delta']:+.4f} | {mark} |")
-    return "\n".join(lines)
-
-
-@dg.asset(
-    group_name="eval",
-    kinds={"tinker", "mlflow", "parquet"},
-    partitions_def=CHECKPOINTS,
-    deps=[TRAINING_ASSET],
-    ins={TOKENS_ASSET: dg.AssetIn(), CHAT_ASSET: dg.AssetIn()},
-    check_specs=[
-        dg.AssetCheckSpec(
-            IMPROVES_CHECK, asset="eval_report", description="WARN when the checkpoint is worse than its base model."
-        )
-    ],
-)
-def eval_report(
-    context: dg.AssetExecutionContext,
-    config: EvalConfig,
-    rendered_tokens: pa.Table,
-    chat_dataset: pa.Table,
-    tinker: TinkerResource,
-    mlflow: MlflowResource,
-):
-    """Held-out NLL/bpb and task accuracy of one checkpoint, next to its base model's."""
-    manifest = read_manifest(context.partition_key)
-    if not manifest.sampler_path:
-        raise dg.Failure(f"checkpoint {manifest.partition} has no sampler weights to evaluate ({manifest.state_path})")
-    started = time.monotonic()
-    tokenizer = load_tokenizer(manifest.base_model)
-    renderer = _renderer(manifest.renderer, tokenizer)
-    heldout = RenderedTokens(rendered_tokens, split=HELDOUT_SPLIT)
-    problems = problems_from_chat(chat_dataset, config.max_problems)
-    if len(heldout) == 0 or not problems:
+def load_trained_version(manifest: CheckpointManifest, asset: str) -> pa.Table:
+    """The exact table version ``manifest``'s checkpoint was trained on (its versioned parquet file)."""
+    recorded = manifest.upstream.get(asset)
+    if recorded is None:
+        raise dg.Failure(f"checkpoint {manifest.partition} records no {asset!r} input; it was not trained on {asset}")
+    path = recorded.get("metadata", {}).get("parquet/version_path")
+    if not path or not Path(str(path)).exists():
         raise dg.Failure(
-            f"no held-out data: {len(heldout)} held-out token rows, {len(problems)} held-out conversations; "
-            "materialize the data assets with a held-out fraction > 0"
+            f"checkpoint {manifest.partition} was trained on {asset} version {recorded.get('data_version')!r}, "
+            f"whose stored copy {path!r} is missing: evaluate it under the POSTTRAIN_STATE_DIR it was trained in"
         )
-    client = tinker.get_client()
-    checkpoint_scores, samples = score_model(
-        EvalTarget.from_checkpoint(client, manifest.sampler_path), renderer, tokenizer, heldout, problems, config
+    return pq.read_table(str(path))
+
+
+def eval_config_class(spec: EvalSpec) -> type[EvalConfig]:
+    """``EvalConfig`` with the recipe's own defaults (e.g. a longer answer budget for code)."""
+    if not spec.config_defaults:
+        return EvalConfig
+    unknown = sorted(set(spec.config_defaults) - set(EvalConfig.model_fields))
+    if unknown:
+        raise ValueError(f"EvalSpec for {spec.training.recipe!r}: config_defaults {unknown} are not EvalConfig fields {sorted(EvalConfig.model_fields)}")
+    fields = {
+        key: (EvalConfig.model_fields[key].annotation, Field(default=value, description=EvalConfig.model_fields[key].description))
+        for key, value in spec.config_defaults.items()
+    }
+    name = "".join(part.title() for part in spec.training.recipe.split("_")) + "EvalConfig"
+    return create_model(name, __base__=EvalConfig, **fields)
+
+
+def build_eval_asset(spec: EvalSpec) -> dg.AssetsDefinition:
+    name = spec.asset_name
+    recipe = spec.training.recipe
+    config_class = eval_config_class(spec)
+
+    @dg.asset(
+        name=name,
+        group_name=EVAL_GROUP,
+        kinds={"tinker", "mlflow", "parquet"},
+        partitions_def=spec.training.partitions,
+        deps=[checkpoints_asset_key(recipe)],
+        automation_condition=dg.AutomationCondition.on_missing(),
+        check_specs=[dg.AssetCheckSpec(IMPROVES_CHECK, asset=name, description="WARN when the checkpoint is worse than its base model.")],
+        description=f"Held-out evaluation of one {recipe} checkpoint against its base model and its parent.",
     )
-    base_scores = _base_scores(context, client, manifest, renderer, tokenizer, heldout, problems, config)
-    table = report_table(base_scores, checkpoint_scores)
-    report = markdown(table, manifest)
-    with mlflow.start_run(context, run_name=f"eval {manifest.partition}", tags={"posttrain.checkpoint": manifest.partition}) as run:
-        run.log_params({"checkpoint": manifest.partition, "sampler_path": manifest.sampler_path, **config.model_dump()})
-        run.log_dataset(TOKENS_ASSET, f"dagster://{TOKENS_ASSET}", _version(context, TOKENS_ASSET), context="eval")
-        run.log_dataset(CHAT_ASSET, f"dagster://{CHAT_ASSET}", _version(context, CHAT_ASSET), context="eval")
-        run.log_metrics(_flat(checkpoint_scores, base_scores), step=manifest.step)
-        run.log_text(report, "eval_report.md")
-        run.log_dict(samples, "samples.json")
-        _annotate_training(run.client, manifest, checkpoint_scores)
-    worse = worse_than_base(table)
-    yield dg.Output(
-        table,
-        metadata={
-            "report": dg.MetadataValue.md(report),
-            "checkpoint": manifest.partition,
-            "sampler_path": manifest.sampler_path,
-            "base_model": manifest.base_model,
-            **{f"checkpoint_{k}": v for k, v in asdict(checkpoint_scores).items()},
-            **{f"base_{k}": v for k, v in asdict(base_scores).items()},
-            "mlflow_run": dg.MetadataValue.url(run.url),
-            "training_mlflow_run": dg.MetadataValue.url(manifest.mlflow_run_url),
-            "wall_seconds": round(time.monotonic() - started, 2),
-        },
-    )
-    yield dg.AssetCheckResult(
-        check_name=IMPROVES_CHECK,
-        passed=not worse,
-        severity=dg.AssetCheckSeverity.WARN,
-        metadata={"worse_than_base": ", ".join(worse) or "none", "report": dg.MetadataValue.md(report)},
-    )
+    def _eval(context: dg.AssetExecutionContext, config: config_class, tinker: TinkerResource, mlflow: MlflowResource):
+        manifest = read_manifest(context.partition_key)
+        if not manifest.sampler_path:
+            raise dg.Failure(f"checkpoint {manifest.partition} has no sampler weights to evaluate ({manifest.state_path})")
+        started = time.monotonic()
+        inputs = EvalInputs(
+            manifest=manifest,
+            tables={asset: load_trained_version(manifest, asset) for asset in spec.data_assets},
+            tokenizer=load_tokenizer(manifest.base_model),
+            config=config,
+        )
+        evaluators = list(spec.evaluators(inputs))
+        with tinker.session(f"{name} {manifest.partition}") as client:
+            scores = run_evaluators(evaluators, EvalTarget.from_checkpoint(client, manifest.sampler_path, inputs.tokenizer))
+            base = _cached_scores(context, spec, inputs, "base", manifest.base_model_digest,
+                                  lambda: EvalTarget.from_base_model(client, manifest.base_model, inputs.tokenizer), evaluators)
+            parent = _parent_scores(context, spec, inputs, client, evaluators)
+        rows = comparison_rows(scores, base, parent)
+        title = f"**{manifest.partition}** (step {manifest.step}) vs base `{manifest.base_model}`" + (
+            f" and parent `{manifest.parent_partition or manifest.init_from}`" if parent is not None else ""
+        )
+        report = markdown(rows, title, has_parent=parent is not None)
+        with mlflow.start_run(context, run_name=f"eval {manifest.partition}", tags={"posttrain.checkpoint": manifest.partition}) as run:
+            run.log_params({"checkpoint": manifest.partition, "sampler_path": manifest.sampler_path, **config.model_dump()})
+            for asset in spec.data_assets:
+                version = manifest.upstream[asset]
+                run.log_dataset(asset, str(version["metadata"].get("parquet/version_path")), version["data_version"] or "unversioned", context="eval")
+            run.log_metrics(_flat(scores, base, parent), step=manifest.step)
+            run.log_text(report, "eval_report.md")
+            _annotate_training(run.client, manifest, scores)
+        score = scores.get(spec.score_metric)
+        aliases = mlflow.update_aliases(manifest.registered_model, manifest.model_version, score)
+        bad = worse(rows, "base")
+        yield dg.Output(
+            report_table(rows),
+            metadata={
+                "report": dg.MetadataValue.md(report),
+                "checkpoint": manifest.partition,
+                "sampler_path": manifest.sampler_path,
+                "base_model": manifest.base_model,
+                "parent": manifest.parent_partition or manifest.init_from or "base model",
+                "data_versions": dg.MetadataValue.json({a: manifest.upstream[a]["data_version"] for a in spec.data_assets}),
+                **{f"checkpoint_{k}": v for k, v in scores.items()},
+                **{f"base_{k}": v for k, v in base.items()},
+                **({f"parent_{k}": v for k, v in parent.items()} if parent else {}),
+                "mlflow_aliases": ", ".join(aliases) or "none",
+                "mlflow_run": dg.MetadataValue.url(run.url),
+                "training_mlflow_run": dg.MetadataValue.url(manifest.mlflow_run_url),
+                "wall_seconds": round(time.monotonic() - started, 2),
+            },
+            data_version=dg.DataVersion(hashlib.sha256(json.dumps(scores, sort_keys=True).encode()).hexdigest()[:16]),
+        )
+        yield dg.AssetCheckResult(
+            check_name=IMPROVES_CHECK,
+            passed=not bad,
+            severity=dg.AssetCheckSeverity.WARN,
+            metadata={"worse_than_base": ", ".join(bad) or "none", "report": dg.MetadataValue.md(report)},
+        )
+
+    return _eval
 
 
-def _renderer(name: str, tokenizer):
-    from posttrain.datasets.tokens import get_renderer  # the same lookup rendered_tokens used
-
-    return get_renderer(name or "chatml", tokenizer)
-
-
-def _version(context: dg.AssetExecutionContext, key: str) -> str:
-    return latest_version(context.instance, key).data_version or "unversioned"
-
-
-def _flat(checkpoint: ModelScores, base: ModelScores) -> dict[str, float]:
-    metrics = {f"eval/{name}": checkpoint.metric(name) for name in LOWER_IS_BETTER}
-    metrics.update({f"base/{name}": base.metric(name) for name in LOWER_IS_BETTER})
-    metrics.update({f"delta/{name}": checkpoint.metric(name) - base.metric(name) for name in LOWER_IS_BETTER})
-    return {name: value for name, value in metrics.items() if not math.isnan(value)}
-
-
-def _base_scores(context, client, manifest, renderer, tokenizer, heldout, problems, config) -> ModelScores:
+def _cache_key(spec: EvalSpec, inputs: EvalInputs, model: str) -> str:
     key = json.dumps(
         {
-            "base": manifest.base_model_digest,
-            "tokens": _version(context, TOKENS_ASSET),
-            "chat": _version(context, CHAT_ASSET),
-            "renderer": manifest.renderer,
-            "config": config.model_dump(),
+            "model": model,
+            "recipe": spec.training.recipe,
+            "data": {asset: inputs.manifest.upstream[asset]["data_version"] for asset in spec.data_assets},
+            "renderer": inputs.manifest.renderer,
+            "config": inputs.config.model_dump(),
         },
         sort_keys=True,
     )
-    cache = state_subdir("eval_cache") / f"base-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _cached_scores(context, spec, inputs, label, model_identity, make_target, evaluators) -> dict[str, float]:
+    """Scores of a reference model (base or parent), cached by model identity + data versions + eval config."""
+    cache = state_subdir("eval_cache") / f"{label}-{_cache_key(spec, inputs, model_identity)}.json"
     if cache.exists():
-        context.log.info(f"base model scores from cache {cache}")
-        return ModelScores(**json.loads(cache.read_text()))
-    scores, _ = score_model(
-        EvalTarget.from_base_model(client, manifest.base_model), renderer, tokenizer, heldout, problems, config
-    )
-    cache.write_text(json.dumps(asdict(scores)))
+        context.log.info(f"{label} model scores from cache {cache}")
+        return json.loads(cache.read_text())
+    scores = run_evaluators(evaluators, make_target())
+    temporary = cache.with_name(cache.name + ".tmp")
+    temporary.write_text(json.dumps(scores))
+    temporary.replace(cache)
     return scores
 
 
-def _annotate_training(client, manifest: CheckpointManifest, scores: ModelScores) -> None:
+def _parent_scores(context, spec, inputs, client, evaluators) -> dict[str, float] | None:
+    manifest = inputs.manifest
+    if not manifest.init_from:
+        return None
+    parent_sampler = _parent_sampler_path(manifest)
+    if parent_sampler is None:
+        context.log.warning(f"parent {manifest.init_from} has no registered sampler weights: report compares with the base only")
+        return None
+    return _cached_scores(context, spec, inputs, "parent", parent_sampler,
+                          lambda: EvalTarget.from_checkpoint(client, parent_sampler, inputs.tokenizer), evaluators)
+
+
+def _parent_sampler_path(manifest: CheckpointManifest) -> str | None:
+    if manifest.parent_partition:
+        return read_manifest(manifest.parent_partition).sampler_path
+    return None
+
+
+def _flat(scores: dict[str, float], base: dict[str, float], parent: dict[str, float] | None) -> dict[str, float]:
+    metrics = {f"eval/{k}": v for k, v in scores.items()}
+    metrics.update({f"base/{k}": v for k, v in base.items()})
+    metrics.update({f"parent/{k}": v for k, v in (parent or {}).items()})
+    return {name: value for name, value in metrics.items() if isinstance(value, (int, float)) and not math.isnan(value)}
+
+
+def _annotate_training(client, manifest: CheckpointManifest, scores: dict[str, float]) -> None:
     """Eval numbers onto the training run's curve (at the checkpoint's step) and the model version's tags."""
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    client.log_batch(
-        manifest.mlflow_run_id,
-        metrics=[Metric(f"checkpoint_eval/{n}", scores.metric(n), now, manifest.step) for n in LOWER_IS_BETTER if not math.isnan(scores.metric(n))],
-    )
-    for name in LOWER_IS_BETTER:
-        client.set_model_version_tag(manifest.registered_model, manifest.model_version, f"eval.{name}", f"{scores.metric(name):.6g}")
+    finite = {k: v for k, v in scores.items() if isinstance(v, (int, float)) and not math.isnan(v)}
+    client.log_batch(manifest.mlflow_run_id, metrics=[Metric(f"checkpoint_eval/{k}", v, now, manifest.step) for k, v in finite.items()])
+    for name, value in finite.items():
+        client.set_model_version_tag(manifest.registered_model, manifest.model_version, f"eval.{name}", f"{value:.6g}")

@@ -2,6 +2,9 @@
 
 The default source generates comparisons offline from reasoning-gym: chosen = the verified gold answer,
 rejected = a wrong answer of the same form that the task's scorer marks wrong.
+
+`preference_pairs` renders with the tokenizer of the materialized `base_model` (a graph dependency) and
+records its identity like `rendered_tokens` does; its split is the comparison's, chosen by prompt.
 """
 
 from collections.abc import Iterator
@@ -11,10 +14,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field
 
+from assets.base_model import BASE_MODEL_KEY
 from assets.datasets import (
     DATA_GROUP,
     SourceConfig,
     blocking,
+    checked_table_output,
     data_errors,
     failures_check,
     loaded_output,
@@ -22,11 +27,18 @@ from assets.datasets import (
     schema_check,
     table_output,
 )
-from assets.tokens import drop_untrained, length_failures, token_metadata, token_preview
+from assets.tokens import (
+    base_model_tokenizer,
+    drop_untrained,
+    length_failures,
+    token_metadata,
+    token_preview,
+    tokenizer_identity_metadata,
+)
 from posttrain.datasets import schemas, summary, tokens
 from posttrain.datasets.loaders import load
 from posttrain.datasets.rows import EmptyDatasetError, SkipLog
-from resources.models import SMOLLM2_NAME, load_tokenizer
+from posttrain.datasets.tokens import with_tokenizer_identity
 
 
 class ComparisonSourceConfig(SourceConfig):
@@ -39,7 +51,6 @@ class ComparisonSourceConfig(SourceConfig):
 
 class PairRenderConfig(dg.Config):
     renderer: str = Field(default="chatml", description="Renderer name.")
-    base_model: str = Field(default=SMOLLM2_NAME, description="Base model whose tokenizer renders the pairs.")
     max_length: int | None = Field(default=2048, description="Truncate each rendered side to this many tokens.")
     skip_bad_rows: bool = Field(default=False, description="Drop pairs left with an untrained side and report them.")
 
@@ -62,14 +73,20 @@ def identical_failures(table: pa.Table) -> list[str]:
 def preference_comparisons(config: ComparisonSourceConfig) -> Iterator:
     with data_errors("preference_comparisons"):
         loaded = load(config.load_spec("comparison"))
-    yield loaded_output(loaded, messages_preview(loaded.table, ("prompt", "chosen", "rejected")))
-    yield schema_check(loaded.table, schemas.PREFERENCE_COMPARISONS)
-    yield failures_check("pairs_differ", identical_failures(loaded.table))
+    yield from checked_table_output(
+        "preference_comparisons",
+        loaded_output(loaded, messages_preview(loaded.table, ("prompt", "chosen", "rejected"))),
+        [
+            schema_check(loaded.table, schemas.PREFERENCE_COMPARISONS),
+            failures_check("pairs_differ", identical_failures(loaded.table)),
+        ],
+    )
 
 
 @dg.asset(
     group_name=DATA_GROUP,
     kinds={"parquet"},
+    deps=[BASE_MODEL_KEY],
     check_specs=blocking(
         "preference_pairs",
         ("schema_valid", "Table has the normalized preference-pair schema."),
@@ -81,13 +98,14 @@ def preference_comparisons(config: ComparisonSourceConfig) -> Iterator:
 def preference_pairs(context: dg.AssetExecutionContext, config: PairRenderConfig, preference_comparisons: pa.Table) -> Iterator:
     skip = SkipLog(skip_bad_rows=config.skip_bad_rows)
     with data_errors("preference_pairs"):
-        tokenizer = load_tokenizer(config.base_model)
+        tokenizer, identity = base_model_tokenizer(context, "preference_pairs")
         renderer = tokens.get_renderer(config.renderer, tokenizer)
         table = tokens.render_comparisons_table(preference_comparisons, renderer, config.max_length, skip)
         if config.skip_bad_rows:
             table = drop_untrained(table, ["chosen_num_trained_tokens", "rejected_num_trained_tokens"], skip)
         if table.num_rows == 0:
             raise EmptyDatasetError(f"no pairs left ({skip.count} had an untrained side)")
+    table = with_tokenizer_identity(table, identity)
     context.log.info(f"rendered {table.num_rows} preference pairs with {config.renderer}")
     lengths = [
         pc.add(pc.list_value_length(table.column(f"{side}_model_input")), 1).to_pylist() for side in ("chosen", "rejected")
@@ -98,7 +116,7 @@ def preference_pairs(context: dg.AssetExecutionContext, config: PairRenderConfig
     truncated = int(pc.sum(table.column("truncated")).as_py() or 0)
     metadata = {
         "renderer": dg.MetadataValue.text(config.renderer),
-        "base_model": dg.MetadataValue.text(config.base_model),
+        **tokenizer_identity_metadata(identity),
         "max_length": dg.MetadataValue.int(config.max_length or 0),
         "skipped_rows": dg.MetadataValue.int(skip.count),
         "preview": dg.MetadataValue.md(summary.preview_markdown(preview, "preference_pairs")),
@@ -106,11 +124,17 @@ def preference_pairs(context: dg.AssetExecutionContext, config: PairRenderConfig
     }
     if skip.samples:
         metadata["skipped_samples"] = dg.MetadataValue.md("\n".join(f"- {s}" for s in skip.samples))
-    yield table_output(table, metadata)
-    yield schema_check(table, schemas.PREFERENCE_PAIRS)
-    yield failures_check("pairs_differ_and_share_prompt", tokens.pair_problems(table))
-    yield failures_check(
-        "within_max_length",
-        length_failures(table, config.max_length, "chosen_model_input") + length_failures(table, config.max_length, "rejected_model_input"),
-        truncated_rows=dg.MetadataValue.int(truncated),
+    yield from checked_table_output(
+        "preference_pairs",
+        table_output(table, metadata),
+        [
+            schema_check(table, schemas.PREFERENCE_PAIRS),
+            failures_check("pairs_differ_and_share_prompt", tokens.pair_problems(table)),
+            failures_check(
+                "within_max_length",
+                length_failures(table, config.max_length, "chosen_model_input")
+                + length_failures(table, config.max_length, "rejected_model_input"),
+                truncated_rows=dg.MetadataValue.int(truncated),
+            ),
+        ],
     )

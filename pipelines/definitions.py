@@ -1,4 +1,4 @@
-"""The Dagster code location: assets, jobs, sensors, schedules and the resources chosen for this environment.
+"""The Dagster code location: assets, jobs, automation, schedules and the resources chosen for this environment.
 
 Resources are chosen in one place (:func:`default_resources`) from the environment:
 - ``TINKER_API_KEY`` set → hosted Tinker (the key is read through ``dg.EnvVar``, never stored in config);
@@ -7,24 +7,30 @@ Resources are chosen in one place (:func:`default_resources`) from the environme
 - MLflow and parquet storage under the absolute project state dir (``POSTTRAIN_STATE_DIR``, default
   ``<repo>/.state``).
 Tests build their own with :func:`build_definitions`.
+
+Each recipe contributes a training asset, its ``<recipe>_checkpoints`` partitions asset, its eval report
+and its jobs (``pipelines.recipes``); the automation sensor evaluates every new checkpoint once.
 """
 
 import os
 
 import dagster as dg
 
-from assets.base_model import base_model
-from assets.checkpoints import CHECKPOINTS, sft_checkpoint
-from assets.datasets import chat_dataset
-from assets.evals import eval_report
-from assets.tokens import rendered_tokens
-from pipelines.sft import build_recipe_jobs
+from assets.code_rl import CODE_RL_EVAL, code_rl_checkpoint, code_rl_checkpoints, code_rl_eval_report
+from assets.data_assets import DATA_ASSETS
+from assets.rl import RL_EVAL, rl_checkpoint, rl_checkpoints, rl_eval_report
+from assets.rollouts import rollout_batches
+from assets.sft import SFT_EVAL, sft_checkpoint, sft_checkpoints, sft_eval_report
+from pipelines.recipes import build_recipe_jobs
 from resources.mlflow import MlflowResource
 from resources.parquet_io import ParquetIOManager
 from resources.state import state_subdir
 from resources.tinker import DEFAULT_BASE_MODEL, TinkerResource
 
 SFT_DATA_ASSETS = ("base_model", "chat_dataset", "rendered_tokens")
+RL_DATA_ASSETS = ("base_model", "rl_problems")
+CODE_RL_DATA_ASSETS = ("base_model", "code_problems")
+AUTOMATION_SENSOR = "evaluate_new_checkpoints"
 
 
 def tinker_resource_from_env() -> TinkerResource:
@@ -45,19 +51,30 @@ def default_resources() -> dict:
     }
 
 
-def build_definitions(resources: dict) -> dg.Definitions:
-    sft = build_recipe_jobs(
-        "sft",
-        data_assets=SFT_DATA_ASSETS,
-        training_asset="sft_checkpoint",
-        eval_asset="eval_report",
-        partitions=CHECKPOINTS,
+def automation_sensor() -> dg.AutomationConditionSensorDefinition:
+    """Runs every eval report's ``on_missing`` condition: each new checkpoint partition is evaluated once."""
+    return dg.AutomationConditionSensorDefinition(
+        AUTOMATION_SENSOR,
+        target=dg.AssetSelection.groups("eval"),
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        minimum_interval_seconds=30,
+        description="Evaluates every new checkpoint partition once (the eval reports' on_missing condition).",
     )
+
+
+def build_definitions(resources: dict) -> dg.Definitions:
+    recipes = [
+        build_recipe_jobs(SFT_EVAL, SFT_DATA_ASSETS),
+        build_recipe_jobs(RL_EVAL, RL_DATA_ASSETS, outputs=("rollout_batches",)),
+        build_recipe_jobs(CODE_RL_EVAL, CODE_RL_DATA_ASSETS),
+    ]
     return dg.Definitions(
-        assets=[base_model, chat_dataset, rendered_tokens, sft_checkpoint, eval_report],
-        jobs=sft.jobs,
-        sensors=[sft.sensor],
-        schedules=[sft.schedule],
+        assets=[*DATA_ASSETS, sft_checkpoint, sft_checkpoints, sft_eval_report,
+                rl_checkpoint, rl_checkpoints, rl_eval_report, rollout_batches,
+                code_rl_checkpoint, code_rl_checkpoints, code_rl_eval_report],
+        jobs=[job for recipe in recipes for job in recipe.jobs],
+        sensors=[automation_sensor()],
+        schedules=[recipe.schedule for recipe in recipes],
         resources=resources,
     )
 

@@ -59,7 +59,7 @@ def run_demo(defs: dg.Definitions, training: dict[str, Any] | None = None, evalu
         for manifest in chosen:
             result = eval_job.execute_in_process(instance=instance, partition_key=manifest.partition, run_config=QUIET)
             eval_runs[manifest.partition] = result.run_id
-            (materialization,) = result.asset_materializations_for_node("eval_report")
+            (materialization,) = result.asset_materializations_for_node("sft_eval_report")
             reports[manifest.partition] = {k: getattr(v, "value", v) for k, v in materialization.metadata.items()}
     return DemoResult(chain.run_id, eval_runs, checkpoints, reports, time.monotonic() - started)
 

@@ -1,9 +1,12 @@
-"""Trace a checkpoint back to everything it came from, and forward to its eval reports.
+"""Trace a checkpoint back through every hop of its chain, and forward to its eval reports.
 
-checkpoint → training run (Dagster + MLflow) → rendered tokens (data version) → dataset (source,
-digest) → base model (weights, digest), then every eval report of the checkpoint. Sources: the
-checkpoint manifest (written by the training asset), the Dagster instance's event log (exact upstream
-materializations), and the MLflow registry (the model version and its tags).
+For a checkpoint (``tinker://`` path, ``<registered model>/<version>`` or partition key) it prints one
+block per hop — the checkpoint, its training run (Dagster + MLflow), the exact data versions it was
+trained on, the checkpoints it learned from besides its parent (DPO reference, distillation teachers,
+on-policy pair sampler) and its eval reports — then follows ``init_from`` to the parent checkpoint and
+repeats (RL ← DPO ← SFT), and ends at the base model. Sources: checkpoint manifests (written by the
+training asset's registration), the Dagster instance (runs, eval materializations) and the MLflow
+registry (model versions and their tags).
 """
 
 from __future__ import annotations
@@ -19,15 +22,26 @@ from assets.checkpoint_manifest import CheckpointManifest, find_manifest
 from assets.upstream import plain_value
 
 DAGSTER_UI_URL = "http://127.0.0.1:3000"
+MAX_HOPS = 32  # a chain longer than this is a cycle in hand-edited manifests
 
 
 @dataclass
-class Lineage:
+class Hop:
     manifest: CheckpointManifest
     training_run_status: str
     training_job: str
     model_version_tags: dict[str, str]
     eval_reports: list[dict[str, Any]] = field(default_factory=list)
+    related: dict[str, Hop] = field(default_factory=dict)  # role (teacher:..., reference) -> traced checkpoint
+
+
+@dataclass
+class Lineage:
+    hops: list[Hop]  # the checkpoint first, then its parent, grandparent ...
+
+    @property
+    def manifest(self) -> CheckpointManifest:
+        return self.hops[0].manifest
 
 
 def resolve_reference(reference: str, mlflow_client: MlflowClient) -> CheckpointManifest:
@@ -48,24 +62,52 @@ def resolve_reference(reference: str, mlflow_client: MlflowClient) -> Checkpoint
 
 
 def trace(reference: str, instance: dg.DagsterInstance, mlflow_client: MlflowClient) -> Lineage:
-    manifest = resolve_reference(reference, mlflow_client)
+    hops = []
+    manifest: CheckpointManifest | None = resolve_reference(reference, mlflow_client)
+    while manifest is not None and len(hops) < MAX_HOPS:
+        hops.append(_hop(manifest, instance, mlflow_client, follow_related=True))
+        manifest = find_manifest(manifest.parent_partition) if manifest.parent_partition else None
+    return Lineage(hops)
+
+
+def _hop(manifest: CheckpointManifest, instance, mlflow_client, follow_related: bool) -> Hop:
     run = instance.get_run_by_id(manifest.training_dagster_run_id)
     try:
         tags = dict(mlflow_client.get_model_version(manifest.registered_model, manifest.model_version).tags)
     except MlflowException:
         tags = {}
-    return Lineage(
+    hop = Hop(
         manifest=manifest,
         training_run_status=run.status.value if run else "unknown (not in this DAGSTER_HOME)",
         training_job=run.job_name if run else "?",
         model_version_tags=tags,
-        eval_reports=eval_reports(instance, manifest.partition),
+        eval_reports=eval_reports(instance, manifest),
     )
+    if follow_related:
+        for role, partition in related_checkpoints(manifest).items():
+            try:
+                hop.related[role] = _hop(find_manifest(partition), instance, mlflow_client, follow_related=False)
+            except LookupError:
+                continue
+    return hop
 
 
-def eval_reports(instance: dg.DagsterInstance, partition: str) -> list[dict[str, Any]]:
+def related_checkpoints(manifest: CheckpointManifest) -> dict[str, str]:
+    """Checkpoint partitions named in ``manifest.related`` (teachers, reference, pair sampler), by role."""
+    found = {}
+    for role, value in manifest.related.items():
+        values = value if isinstance(value, list) else [value]
+        for index, item in enumerate(values):
+            partition = item.get("partition") if isinstance(item, dict) else None
+            if partition:
+                found[role if len(values) == 1 else f"{role}[{index}]"] = partition
+    return found
+
+
+def eval_reports(instance: dg.DagsterInstance, manifest: CheckpointManifest) -> list[dict[str, Any]]:
     records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey("eval_report"), asset_partitions=[partition]), limit=20
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(f"{manifest.recipe}_eval_report"), asset_partitions=[manifest.partition]),
+        limit=20,
     ).records
     reports = []
     for record in records:
@@ -74,38 +116,57 @@ def eval_reports(instance: dg.DagsterInstance, partition: str) -> list[dict[str,
     return reports
 
 
-def format_lineage(lineage: Lineage, dagster_ui_url: str = DAGSTER_UI_URL) -> str:
-    m = lineage.manifest
-    upstream = m.upstream
-    tokens = upstream.get("rendered_tokens", {})
-    dataset_key = next((key for key in upstream if key not in ("rendered_tokens", "base_model")), None)
-    dataset = upstream.get(dataset_key, {}) if dataset_key else {}
-    base = upstream.get("base_model", {})
+def _data_lines(manifest: CheckpointManifest) -> list[str]:
+    lines = []
+    for asset, version in manifest.upstream.items():
+        if asset == "base_model":
+            continue
+        metadata = version.get("metadata", {})
+        detail = metadata.get("source") or metadata.get("renderer") or ""
+        lines.append(f"  data          {asset} @ {version.get('data_version', '?')}  made by run {version.get('dagster_run_id', '?')}"
+                     + (f"  ({detail})" if detail else ""))
+    return lines
+
+
+def _hop_lines(hop: Hop, dagster_ui_url: str, indent: str = "") -> list[str]:
+    m = hop.manifest
     lines = [
-        f"checkpoint      {m.partition}  (step {m.step}{', final' if m.final else ''})",
+        f"checkpoint      {m.partition}  ({m.recipe}, step {m.step}{', final' if m.final else ''})",
         f"  state         {m.state_path}",
         f"  sampler       {m.sampler_path}",
         f"  MLflow model  {m.registered_model} v{m.model_version}",
-        f"  version tags  {', '.join(f'{k}={v}' for k, v in sorted(lineage.model_version_tags.items()) if not k.startswith('eval.')) or '-'}",
-        "training run",
-        f"  Dagster       {m.training_dagster_run_id}  job {lineage.training_job}, {lineage.training_run_status}  {dagster_ui_url}/runs/{m.training_dagster_run_id}",
-        f"  MLflow        {m.mlflow_run_id}  {m.mlflow_run_url}",
-        f"  log dir       {m.log_dir}",
-        "rendered tokens (rendered_tokens)",
-        f"  data version  {tokens.get('data_version', '?')}  made by run {tokens.get('dagster_run_id', '?')}",
-        f"  renderer      {m.renderer or '?'}  rows {tokens.get('metadata', {}).get('dagster/row_count', '?')}",
-        f"dataset ({dataset_key or '?'})",
-        f"  source        {dataset.get('metadata', {}).get('source', '?')}",
-        f"  digest        {dataset.get('metadata', {}).get('data_digest', dataset.get('data_version', '?'))}  made by run {dataset.get('dagster_run_id', '?')}",
-        f"base model      {m.base_model}",
-        f"  weights       {base.get('metadata', {}).get('weights_location', '?')}",
-        f"  digest        {m.base_model_digest}",
-        f"eval reports    {len(lineage.eval_reports) or 'none yet'}",
+        f"  training run  Dagster {m.training_dagster_run_id}  job {hop.training_job}, {hop.training_run_status}  {dagster_ui_url}/runs/{m.training_dagster_run_id}",
+        f"                MLflow {m.mlflow_run_id}  {m.mlflow_run_url}",
+        f"  started from  {m.parent_partition or m.init_from or 'the base model'}",
+        *_data_lines(m),
     ]
-    for report in lineage.eval_reports:
+    for report in hop.eval_reports:
         scores = ", ".join(
-            f"{name} {report.get(f'checkpoint_{name}', float('nan')):.4f} (base {report.get(f'base_{name}', float('nan')):.4f})"
-            for name in ("nll", "bpb", "accuracy")
+            f"{key[len('checkpoint_'):]} {value:.4f}" for key, value in report.items()
+            if key.startswith("checkpoint_") and isinstance(value, float)
         )
-        lines.append(f"  run {report['run_id']}: {scores}  {report.get('mlflow_run', '')}")
+        lines.append(f"  eval report   run {report['run_id']}: {scores}")
+    if not hop.eval_reports:
+        lines.append("  eval report   none yet")
+    for role, related in hop.related.items():
+        lines.append(f"  {role:<13} {related.manifest.partition} ({related.manifest.recipe}, step {related.manifest.step})")
+        lines += ["    " + line for line in _data_lines(related.manifest)]
+    return [indent + line for line in lines]
+
+
+def format_lineage(lineage: Lineage, dagster_ui_url: str = DAGSTER_UI_URL) -> str:
+    lines = []
+    for depth, hop in enumerate(lineage.hops):
+        if depth:
+            lines.append("  ▲ trained from")
+        lines += _hop_lines(hop, dagster_ui_url)
+    root = lineage.hops[-1].manifest
+    base = root.upstream.get("base_model", {})
+    lines += [
+        "  ▲ trained from",
+        f"base model      {root.base_model}",
+        f"  weights       {base.get('metadata', {}).get('weights_location', '?')}",
+        f"  digest        {root.base_model_digest}",
+        f"  tokenizer     {root.tokenizer or '?'}",
+    ]
     return "\n".join(lines)

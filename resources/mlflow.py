@@ -2,36 +2,56 @@
 
 Our own small resource rather than dagster-mlflow, whose run never ends for asset jobs. Each
 materialization opens a run tagged with the Dagster run id, asset key and partition, and closes it
-FINISHED or FAILED with the step. Through the run an asset logs params (secret-looking keys are
-refused), per-step metrics (:class:`MlflowRun` satisfies posttrain's ``MetricsLogger`` protocol:
-``log_metrics(metrics, step)``), its input datasets with their digests (``log_inputs``, what
-``mlflow.log_input`` does), and registers checkpoints as model versions whose tags carry lineage.
+FINISHED or FAILED with the step. Through the run an asset logs params and tags (secret-looking names
+are refused), per-step metrics (:class:`MlflowRun` satisfies posttrain's ``MetricsLogger`` protocol:
+``log_metrics(metrics, step)``), its input datasets with their digests (``log_dataset``), and registers
+checkpoints (``register_checkpoint``): each one an MLflow 3 logged model plus a version of the recipe's
+registered model. Evaluations keep the ``latest-evaluated`` and ``best`` aliases of that registered model up to date
+(``MlflowResource.update_aliases``); ``init_from="best:<recipe>"`` reads them back (``resolve_alias``).
 The run's UI link goes back onto the asset as ``dg.MetadataValue.url``.
 
 We use ``MlflowClient`` with an explicit tracking URI, not the fluent API's process-global active
-run, so two stores (tests) or two assets in one process cannot write into each other's runs.
-Default store: sqlite at ``<state>/mlflow/mlflow.db`` with artifacts beside it (absolute paths).
+run, so two stores (tests) or two assets in one process cannot write into each other's runs. For the
+same reason a model version's source is the checkpoint's ``tinker://`` path, not ``models:/<model_id>``
+(MLflow's sqlite registry resolves such a source through the process-global tracking URI).
+Only public MLflow APIs are used. Default store: sqlite at ``<state>/mlflow/mlflow.db`` with artifacts
+beside it (absolute paths).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import re
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import dagster as dg
 from mlflow import MlflowClient
 from mlflow.data.dataset_source_registry import resolve_dataset_source
 from mlflow.data.meta_dataset import MetaDataset
-from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus
+from mlflow.entities import (
+    Dataset,
+    DatasetInput,
+    InputTag,
+    LoggedModel,
+    LoggedModelOutput,
+    LoggedModelStatus,
+    Metric,
+    Param,
+    RunStatus,
+)
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
+from mlflow.models.utils import get_external_mlflow_model_spec
+from mlflow.utils.mlflow_tags import MLFLOW_MODEL_IS_EXTERNAL, MLFLOW_MODEL_VERSIONS
 from pydantic import Field
 
 from resources.state import default_mlflow_artifact_root, default_mlflow_tracking_uri
@@ -41,9 +61,37 @@ TAG_DAGSTER_RUN_ID = "dagster.run_id"
 TAG_DAGSTER_JOB = "dagster.job"
 TAG_ASSET_KEY = "dagster.asset_key"
 TAG_PARTITION = "dagster.partition"
+TAG_TINKER_PATH = "tinker_path"  # on logged models and model versions: the idempotency key of a checkpoint
+TAG_STEP = "step"
+TAG_LOGGED_MODEL_ID = "logged_model_id"  # on model versions (the sqlite registry does not store model_id)
+TAG_EVALUATED = "eval.evaluated"  # on model versions: an evaluation finished (candidates for latest-evaluated)
+TAG_EVAL_SCORE = "eval.score"  # on model versions: the held-out task score (candidates for `best`)
+
+ALIAS_LATEST = "latest-evaluated"  # MLflow reserves "latest" (models:/<name>/latest = newest version, evaluated or not)
+ALIAS_BEST = "best"
+CHECKPOINT_MODEL_TYPE = "tinker-lora"
 
 SECRET_NAME = re.compile(r"(api[_-]?key|secret|password|credential|access[_-]?token|auth[_-]?token|hf[_-]?token)", re.IGNORECASE)
 MAX_PARAM_CHARS = 6000  # MLflow rejects longer param values
+MAX_DATASET_DIGEST_CHARS = 36  # MLflow's column width for dataset digests
+TINKER_PATH = re.compile(r"^tinker://[^\s']+$")
+QUOTE_SAFE_NAME = re.compile(r"^[^'\\]+$")  # names we embed in MLflow filter strings
+
+
+@dataclass(frozen=True)
+class RegisteredCheckpoint:
+    """A checkpoint as MLflow knows it: a logged model and the registered-model version pointing at it."""
+
+    model_name: str
+    version: int
+    model_id: str
+    model_version_url: str
+    logged_model_url: str
+
+    @property
+    def name(self) -> str:
+        """``ModelVersion.name``'s spelling, for callers written against the ModelVersion this used to return."""
+        return self.model_name
 
 
 @dataclass
@@ -58,12 +106,7 @@ class MlflowRun:
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Logs hyper-parameters; refuses names that look like secrets rather than risk leaking one."""
-        secret = [name for name in params if SECRET_NAME.search(name)]
-        if secret:
-            raise ValueError(
-                f"MlflowRun.log_params: {secret} look like secrets and must not be logged as MLflow params; "
-                "drop them from the dict (describe the backend with TinkerResource.describe() instead)."
-            )
+        refuse_secret_names(params, "MlflowRun.log_params")
         batch = [Param(name, str(value)[:MAX_PARAM_CHARS]) for name, value in params.items()]
         for start in range(0, len(batch), 100):  # MLflow's per-request limit
             self.client.log_batch(self.run_id, params=batch[start : start + 100])
@@ -71,11 +114,7 @@ class MlflowRun:
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """posttrain ``MetricsLogger``: one call per training step; non-numeric values are skipped."""
         timestamp = int(time.time() * 1000)
-        batch = [
-            Metric(_metric_name(name), float(value), timestamp, step)
-            for name, value in metrics.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
-        ]
+        batch = [Metric(name, value, timestamp, step) for name, value in _numeric_metrics(metrics).items()]
         if batch:
             self.client.log_batch(self.run_id, metrics=batch)
 
@@ -83,6 +122,7 @@ class MlflowRun:
         """Part of posttrain's ``MetricsLogger``; the run itself ends with :meth:`MlflowResource.start_run`."""
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
+        refuse_secret_names(tags, "MlflowRun.set_tags")
         for name, value in tags.items():
             self.client.set_tag(self.run_id, name, str(value))
 
@@ -94,11 +134,20 @@ class MlflowRun:
         context: str = "training",
         profile: Mapping[str, Any] | None = None,
     ) -> None:
-        """Records an input dataset (name, where it lives, content digest) on the run's Datasets tab."""
-        dataset = MetaDataset(_dataset_source(source), name=name, digest=digest[:36])
-        entity = dataset._to_mlflow_entity()
-        if profile:
-            entity._profile = json.dumps(dict(profile))
+        """Records an input dataset (name, where it lives, content digest) on the run's Datasets tab.
+
+        The full digest (a Dagster data version) is kept as the input tag ``dagster.data_version``;
+        MLflow's own digest column holds its first 36 characters.
+        """
+        short_digest = digest[:MAX_DATASET_DIGEST_CHARS]
+        described = MetaDataset(_dataset_source(source), name=name, digest=short_digest).to_dict()
+        entity = Dataset(
+            name=name,
+            digest=short_digest,
+            source_type=described["source_type"],
+            source=described["source"],
+            profile=json.dumps(dict(profile)) if profile else None,
+        )
         tags = [InputTag("mlflow.data.context", context), InputTag("dagster.data_version", digest)]
         self.client.log_inputs(self.run_id, datasets=[DatasetInput(entity, tags)])
 
@@ -108,30 +157,169 @@ class MlflowRun:
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, text, artifact_file)
 
-    def register_checkpoint(self, model_name: str, tinker_path: str, tags: Mapping[str, Any]) -> ModelVersion:
-        """The version of ``model_name`` whose source is the ``tinker://`` path (created once: idempotent)."""
-        existing = self.client.search_model_versions(f"name = '{model_name}' and tags.tinker_path = '{tinker_path}'")
+    def register_checkpoint(
+        self,
+        model_name: str,
+        tinker_path: str,
+        tags: Mapping[str, Any],
+        *,
+        step: int | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        metrics_dataset: str | None = None,
+        metrics_step: int | None = None,
+    ) -> RegisteredCheckpoint:
+        """Registers the checkpoint at ``tinker_path`` as an MLflow 3 logged model and a version of ``model_name``.
+
+        The logged model (type ``tinker-lora``, external: its weights live in Tinker) carries the lineage
+        ``tags``, this run's params, ``tinker_path`` and ``step``; it is this run's output at ``step``. The
+        step's ``metrics`` are logged with its model id so they show on the model page (pass the values the
+        run logged for that step: they are logged with the run's own timestamp so the run's history gets no
+        duplicate points). ``metrics_dataset`` names the dataset (given to :meth:`log_dataset` on this run)
+        the metrics were measured on; MLflow links a logged model to datasets only through its metrics, one
+        dataset per metric point. The version's source is ``tinker_path``; its tags are the lineage ``tags``
+        plus ``tinker_path``, ``step`` and ``logged_model_id``.
+
+        ``metrics_step`` (default ``step``) is the run-history step the metrics were logged at: a
+        checkpoint taken after ``n`` optimizer steps carries the metrics of step index ``n - 1``.
+
+        Idempotent: every write is found again by ``tinker_path`` first, so calling it again after a kill
+        (at any point) completes the registration and returns the same logged model and version.
+        """
+        lineage = self._checkpoint_tags(model_name, tinker_path, tags, step)
+        if metrics and step is None:
+            raise ValueError(
+                f"MlflowRun.register_checkpoint({model_name!r}, {tinker_path!r}): metrics need the step they were "
+                "measured at; pass step=."
+            )
+        dataset = (metrics_dataset, self._dataset_digest(metrics_dataset)) if metrics_dataset else None
+        model = self._logged_model(model_name, tinker_path, step, lineage)
+        if metrics and step is not None:
+            self._log_model_metrics(model, step if metrics_step is None else metrics_step, _numeric_metrics(metrics), dataset)
+        if step is not None:
+            self._record_run_output(model.model_id, step)
+        version = self._model_version(model_name, tinker_path, model.model_id, lineage)
+        self._record_version_on_model(model.model_id, model_name, version)
+        return RegisteredCheckpoint(
+            model_name=model_name,
+            version=version,
+            model_id=model.model_id,
+            model_version_url=f"{self.ui_url}/#/models/{model_name}/versions/{version}",
+            logged_model_url=f"{self.ui_url}/#/experiments/{model.experiment_id}/models/{model.model_id}",
+        )
+
+    def model_version_url(self, version: ModelVersion | RegisteredCheckpoint) -> str:
+        return f"{self.ui_url}/#/models/{version.name}/versions/{version.version}"
+
+    @staticmethod
+    def _checkpoint_tags(model_name: str, tinker_path: str, tags: Mapping[str, Any], step: int | None) -> dict[str, str]:
+        where = f"MlflowRun.register_checkpoint({model_name!r}, {tinker_path!r})"
+        if not TINKER_PATH.match(tinker_path):
+            raise ValueError(
+                f"{where}: the checkpoint path must be a tinker:// path (the training state's "
+                "`tinker://<run>/weights/<name>`); pass the checkpoint record's state_path."
+            )
+        if not QUOTE_SAFE_NAME.match(model_name):
+            raise ValueError(f"{where}: registered model names may not contain quotes or backslashes; rename the model.")
+        refuse_secret_names(tags, where)
+        lineage = {name: str(value) for name, value in tags.items()}
+        lineage[TAG_TINKER_PATH] = tinker_path
+        if step is not None:
+            lineage[TAG_STEP] = str(step)
+        return lineage
+
+    def _logged_model(self, model_name: str, tinker_path: str, step: int | None, lineage: Mapping[str, str]) -> LoggedModel:
+        """The READY logged model of ``tinker_path`` in this experiment, created on first call."""
+        found = self.client.search_logged_models(
+            [self.experiment_id], filter_string=f"tags.{TAG_TINKER_PATH} = '{tinker_path}'", max_results=1
+        )
+        if found:
+            model = found[0]
+        else:
+            run_params = self.client.get_run(self.run_id).data.params
+            checkpoint_name = tinker_path.rstrip("/").rsplit("/", 1)[-1]
+            model = self.client.create_logged_model(
+                self.experiment_id,
+                name=re.sub(r"[/:.%\"']", "-", f"{model_name}-{checkpoint_name}"),
+                source_run_id=self.run_id,
+                tags={**lineage, MLFLOW_MODEL_IS_EXTERNAL: "true"},
+                params={**run_params, TAG_TINKER_PATH: tinker_path, **({TAG_STEP: str(step)} if step is not None else {})},
+                model_type=CHECKPOINT_MODEL_TYPE,
+            )
+        if model.status != LoggedModelStatus.READY:
+            self._write_external_model_spec(model)
+            model = self.client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+        return model
+
+    def _write_external_model_spec(self, model: LoggedModel) -> None:
+        """The MLmodel file MLflow writes for external models, so ``models:/<model_id>`` loads its metadata."""
+        with tempfile.TemporaryDirectory() as directory:
+            get_external_mlflow_model_spec(model).save(str(Path(directory) / "MLmodel"))
+            self.client.log_model_artifacts(model.model_id, directory)
+
+    def _log_model_metrics(
+        self, model: LoggedModel, step: int, values: Mapping[str, float], dataset: tuple[str, str] | None
+    ) -> None:
+        """Metrics with the model id (and the dataset) land on the model page and in the run's history."""
+        timestamp = self._step_timestamp(step, values) or model.creation_timestamp
+        dataset_name, dataset_digest = dataset or (None, None)
+        batch = [
+            Metric(name, value, timestamp, step, model_id=model.model_id, dataset_name=dataset_name, dataset_digest=dataset_digest)
+            for name, value in values.items()
+        ]
+        for start in range(0, len(batch), 1000):  # MLflow's per-request metric limit
+            self.client.log_batch(self.run_id, metrics=batch[start : start + 1000])
+
+    def _step_timestamp(self, step: int, values: Mapping[str, float]) -> int | None:
+        """When this run logged ``step`` (log_metrics gives a step's metrics one timestamp), if it did."""
+        first_name = next(iter(values), None)
+        if first_name is None:
+            return None
+        history = self.client.get_metric_history(self.run_id, first_name)
+        return next((point.timestamp for point in history if point.step == step), None)
+
+    def _dataset_digest(self, name: str) -> str:
+        digests = {i.dataset.name: i.dataset.digest for i in self.client.get_run(self.run_id).inputs.dataset_inputs}
+        if name not in digests:
+            raise ValueError(
+                f"MlflowRun.register_checkpoint: metrics_dataset={name!r} was not logged on run {self.run_id} "
+                f"(logged: {sorted(digests)}); call log_dataset for it first."
+            )
+        return digests[name]
+
+    def _record_run_output(self, model_id: str, step: int) -> None:
+        outputs = self.client.get_run(self.run_id).outputs
+        if not any(output.model_id == model_id for output in (outputs.model_outputs if outputs else [])):
+            self.client.log_outputs(self.run_id, [LoggedModelOutput(model_id, step)])
+
+    def _model_version(self, model_name: str, tinker_path: str, model_id: str, lineage: Mapping[str, str]) -> int:
+        existing = self.client.search_model_versions(f"name = '{model_name}' and tags.{TAG_TINKER_PATH} = '{tinker_path}'")
         if existing:
-            return existing[0]
+            return int(existing[0].version)
         try:
             self.client.create_registered_model(model_name)
         except MlflowException as error:
             if error.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-        return self.client.create_model_version(
+        created = self.client.create_model_version(
             model_name,
             source=tinker_path,
             run_id=self.run_id,
-            tags={name: str(value) for name, value in tags.items()},
+            tags={**lineage, TAG_LOGGED_MODEL_ID: model_id},
             description=f"Tinker checkpoint {tinker_path}",
+            model_id=model_id,
         )
+        return int(created.version)
 
-    def model_version_url(self, version: ModelVersion) -> str:
-        return f"{self.ui_url}/#/models/{version.name}/versions/{version.version}"
+    def _record_version_on_model(self, model_id: str, model_name: str, version: int) -> None:
+        """The ``mlflow.modelVersions`` tag is how the MLflow UI lists a logged model's registered versions."""
+        recorded = json.loads(self.client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS) or "[]")
+        entry = {"name": model_name, "version": version}
+        if entry not in recorded:
+            self.client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps([*recorded, entry])})
 
 
 class MlflowResource(dg.ConfigurableResource):
-    """Opens one MLflow run per materialization (see module docstring)."""
+    """Opens one MLflow run per materialization and keeps registered-model aliases (see module docstring)."""
 
     tracking_uri: str | None = Field(
         default=None, description="MLflow tracking URI. Empty: sqlite at <state dir>/mlflow/mlflow.db."
@@ -178,6 +366,7 @@ class MlflowResource(dg.ConfigurableResource):
         history (the trainer logs each step exactly once across the kill). The run then also records
         the re-executing Dagster run id under ``dagster.run_id``.
         """
+        refuse_secret_names(tags or {}, "MlflowResource.start_run(tags=)")
         client = self.get_client()
         experiment_id = self.experiment_id(client)
         run_tags = {
@@ -209,6 +398,69 @@ class MlflowResource(dg.ConfigurableResource):
             raise
         client.set_terminated(handle.run_id, status=RunStatus.to_string(RunStatus.FINISHED))
 
+    def update_aliases(
+        self, model_name: str, version: int | str, score: float | None, higher_is_better: bool = True
+    ) -> dict[str, int]:
+        """Records that ``version`` was evaluated (with its held-out ``score``) and moves the aliases.
+
+        ``latest-evaluated``: the highest evaluated version number (versions are numbered in registration
+        order; MLflow reserves the name ``latest`` for the newest version, evaluated or not).
+        ``best``: the evaluated version with the best ``eval.score`` (ties: the newer version). Scores are
+        version tags, so versions evaluated by other processes take part in the comparison. A version
+        evaluated without a score (None) can become ``latest-evaluated`` but never ``best``. Returns alias → version.
+        """
+        if score is not None and math.isnan(score):
+            raise ValueError(
+                f"MlflowResource.update_aliases({model_name!r}, {version}): score is NaN; pass None when the "
+                "evaluation produced no task score."
+            )
+        client = self.get_client()
+        client.set_model_version_tag(model_name, str(version), TAG_EVALUATED, "true")
+        if score is not None:
+            client.set_model_version_tag(model_name, str(version), TAG_EVAL_SCORE, repr(float(score)))
+        evaluated = client.search_model_versions(f"name = '{model_name}' and tags.`{TAG_EVALUATED}` = 'true'")
+        wanted = {ALIAS_LATEST: max(int(v.version) for v in evaluated)}
+        scored = [v for v in evaluated if TAG_EVAL_SCORE in v.tags]
+        if scored:
+            sign = 1.0 if higher_is_better else -1.0
+            best = max(scored, key=lambda v: (sign * float(v.tags[TAG_EVAL_SCORE]), int(v.version)))
+            wanted[ALIAS_BEST] = int(best.version)
+        current = client.get_registered_model(model_name).aliases
+        for alias, target in wanted.items():
+            if str(current.get(alias)) != str(target):
+                client.set_registered_model_alias(model_name, alias, str(target))
+        return wanted
+
+    def resolve_alias(self, model_name: str, alias: str) -> ModelVersion:
+        """The version behind ``model_name@alias``; LookupError naming the model's aliases when it has none such."""
+        client = self.get_client()
+        try:
+            aliases = client.get_registered_model(model_name).aliases
+        except MlflowException as error:
+            if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            raise LookupError(
+                f"MLflow has no registered model {model_name!r} (store {self.resolved_tracking_uri()}); "
+                "train that recipe first, or check the name."
+            ) from error
+        if alias not in aliases:
+            existing = ", ".join(f"{name} → v{target}" for name, target in sorted(aliases.items())) or "none"
+            raise LookupError(
+                f"registered model {model_name!r} has no alias {alias!r} (existing aliases: {existing}); "
+                "aliases are set when an eval report of one of its versions finishes: evaluate a checkpoint first."
+            )
+        return client.get_model_version_by_alias(model_name, alias)
+
+    def alias_partition(self, model_name: str, alias: str) -> str:
+        """The checkpoint partition key of ``model_name@alias`` (its ``dagster.partition`` version tag)."""
+        version = self.resolve_alias(model_name, alias)
+        partition = version.tags.get(TAG_PARTITION)
+        if not partition:
+            raise LookupError(
+                f"{model_name}@{alias} is version {version.version}, which has no {TAG_PARTITION!r} tag: it was not "
+                "registered by a training asset; name its tinker:// path instead."
+            )
+        return partition
 
     @staticmethod
     def _unfinished_run(client: MlflowClient, experiment_id: str, tag: tuple[str, str]):
@@ -220,6 +472,16 @@ class MlflowResource(dg.ConfigurableResource):
             order_by=["attributes.start_time DESC"],
         )
         return runs[0] if runs else None
+
+
+def refuse_secret_names(values: Mapping[str, Any], where: str) -> None:
+    """Params and tags are readable by anyone with the MLflow UI: a secret-looking name is an error, not a risk."""
+    secret = [name for name in values if SECRET_NAME.search(name)]
+    if secret:
+        raise ValueError(
+            f"{where}: {secret} look like secrets and must not be logged to MLflow; "
+            "drop them from the dict (describe the backend with TinkerResource.describe() instead)."
+        )
 
 
 @functools.lru_cache(maxsize=8)
@@ -235,6 +497,15 @@ def _asset_tags(context: dg.AssetExecutionContext | dg.OpExecutionContext) -> di
     if context.has_partition_key:
         tags[TAG_PARTITION] = context.partition_key
     return tags
+
+
+def _numeric_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """MLflow-valid names → float values; non-numeric values (notes, lists) are skipped."""
+    return {
+        _metric_name(name): float(value)
+        for name, value in metrics.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
 
 
 def _metric_name(name: str) -> str:

@@ -6,6 +6,11 @@ a dict of tables when several partitions are loaded). Writes are atomic: the tab
 hidden temporary file beside the target and renamed over it only when complete, so a failed or killed
 materialization never leaves a half-written parquet file behind (and never destroys the previous one).
 
+Every materialization of an unpartitioned asset also keeps an immutable copy,
+`<base>/<asset key>.versions/<dagster run id>.parquet` (a hard link locally), named in the output
+metadata as `parquet/version_path`: a checkpoint's manifest records it, so its eval reads exactly the
+data it was trained on after the asset has been re-materialized.
+
 Wire it in Definitions as `ParquetIOManager(base_dir=...)`; with no `base_dir` it stores under the
 Dagster instance's storage directory (`$DAGSTER_HOME/storage/parquet`).
 """
@@ -42,6 +47,8 @@ class ArrowParquetIOManager(dg.UPathIOManager):
         try:
             with temporary.open("wb") as handle:
                 pq.write_table(obj, handle, compression="zstd")
+            if not context.has_partition_key:
+                self._keep_version(temporary, self.version_path(context, path))
             self._replace(temporary, path)
         except BaseException:
             if temporary.exists():
@@ -54,6 +61,19 @@ class ArrowParquetIOManager(dg.UPathIOManager):
         else:
             source.fs.mv(source.path, target.path)
 
+    @staticmethod
+    def version_path(context: dg.OutputContext, path: UPath) -> UPath:
+        return path.parent / f"{path.stem}.versions" / f"{context.run_id}{path.suffix}"
+
+    def _keep_version(self, source: UPath, target: UPath) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.protocol in LOCAL_PROTOCOLS:
+            if os.path.exists(target.path):
+                os.unlink(target.path)  # a retried step of the same run rewrites its own version
+            os.link(source.path, target.path)
+        else:
+            source.fs.copy(source.path, target.path)
+
     def load_from_path(self, context: dg.InputContext, path: UPath) -> pa.Table:
         if not path.exists():
             raise FileNotFoundError(
@@ -64,7 +84,10 @@ class ArrowParquetIOManager(dg.UPathIOManager):
             return pq.read_table(handle)
 
     def get_metadata(self, context: dg.OutputContext, obj: Any) -> dict[str, Any]:
-        return {"parquet/num_rows": dg.MetadataValue.int(obj.num_rows), "parquet/columns": dg.MetadataValue.int(obj.num_columns)}
+        metadata = {"parquet/num_rows": dg.MetadataValue.int(obj.num_rows), "parquet/columns": dg.MetadataValue.int(obj.num_columns)}
+        if not context.has_partition_key:
+            metadata["parquet/version_path"] = dg.MetadataValue.path(str(self.version_path(context, self._get_path(context))))
+        return metadata
 
 
 class ParquetIOManager(dg.ConfigurableIOManagerFactory):

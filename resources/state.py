@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 STATE_DIR_ENV = "POSTTRAIN_STATE_DIR"
+MLFLOW_TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"  # MLflow's own variable, honoured the same way
 
 
 def repo_root() -> Path:
@@ -39,8 +40,10 @@ def state_subdir(name: str) -> Path:
 
 
 def default_mlflow_tracking_uri() -> str:
-    """sqlite store at ``<state>/mlflow/mlflow.db`` (absolute: four slashes after ``sqlite:``)."""
-    return f"sqlite:///{state_subdir('mlflow') / 'mlflow.db'}"
+    """``$MLFLOW_TRACKING_URI`` when set (the scale-out profile: PostgreSQL, see deploy/README.md), else
+    sqlite at ``<state>/mlflow/mlflow.db`` (absolute: four slashes after ``sqlite:``)."""
+    configured = os.environ.get(MLFLOW_TRACKING_URI_ENV)
+    return configured or f"sqlite:///{state_subdir('mlflow') / 'mlflow.db'}"
 
 
 def default_mlflow_artifact_root() -> Path:

@@ -20,6 +20,8 @@ import json
 import os
 import secrets
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,6 +190,25 @@ class TinkerResource(dg.ConfigurableResource):
             self._client = tinker.ServiceClient(base_url=endpoint.base_url, api_key=endpoint.api_key)
         return self._client
 
+    @contextmanager
+    def session(self, purpose: str) -> Iterator[tinker.ServiceClient]:
+        """The run's ServiceClient for one piece of work; when that work fails, the Tinker session is
+        closed with status ``errored`` (``interrupted`` on Ctrl-C) and the reason, so the server side
+        (hosted dashboards, localtinker's session list) shows the failure rather than a clean finish."""
+        client = self.get_client()
+        try:
+            yield client
+        except BaseException as error:
+            status = "interrupted" if isinstance(error, KeyboardInterrupt) else "errored"
+            with suppress(Exception):  # the failure being reported matters more than a failed goodbye
+                self._close(status, f"{purpose}: {type(error).__name__}: {str(error)[:300]}")
+            raise
+
+    def _close(self, status: str, detail: str | None = None) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client.close(status, detail).result(timeout=30)
+
     def describe(self) -> dict[str, str]:
         """Metadata/params that identify the backend; never contains the key."""
         return {**self.endpoint().describe(), "tinker_default_base_model": self.base_model}
@@ -211,8 +232,7 @@ class TinkerResource(dg.ConfigurableResource):
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         if self._client is not None:
-            client, self._client = self._client, None
             try:
-                client.close("success").result(timeout=30)
+                self._close("success")
             except Exception as error:  # the run's outcome is already decided; a failed goodbye must not flip it
                 context.log.warning(f"Closing the Tinker session failed: {error}")

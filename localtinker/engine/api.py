@@ -13,12 +13,13 @@ queueing). Any other exception is a server error.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-SUPPORTED_LOSSES: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+SUPPORTED_LOSSES: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
 
 
 class EngineUserError(ValueError):
@@ -48,6 +49,43 @@ class AdamSpec:
     grad_clip_norm: float = 0.0
 
 
+# Hosted Tinker's accepted checkpoint TTLs (SaveWeightsRequest.ttl_seconds): 1 hour to 10 years.
+CHECKPOINT_TTL_RANGE_S: tuple[int, int] = (3600, 10 * 365 * 24 * 3600)
+
+
+def checkpoint_ttl_problem(ttl_seconds: object) -> str | None:
+    """Why ``ttl_seconds`` is not an accepted checkpoint TTL (None = it is; a None TTL means never expire)."""
+    low, high = CHECKPOINT_TTL_RANGE_S
+    if ttl_seconds is None:
+        return None
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or not low <= ttl_seconds <= high:
+        return (
+            f"ttl_seconds={ttl_seconds!r} must be a whole number of seconds between {low} (1 hour) and {high} "
+            "(10 years), as on hosted Tinker; pass None to keep the checkpoint until it is deleted."
+        )
+    return None
+
+
+def adam_spec_problems(spec: AdamSpec) -> list[str]:
+    """What is wrong with ``spec`` (empty when valid). The one rule set both the protocol (a 400 before
+    queueing) and the engine (a failed future) apply, so they can never disagree. ``eps`` must be > 0:
+    with eps = 0 a parameter whose moments are zero divides 0 by 0 and turns NaN."""
+    rules = (
+        ("learning_rate", lambda v: v >= 0, ">= 0"),
+        ("beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("eps", lambda v: v > 0, "> 0 (e.g. the SDK default 1e-12)"),
+        ("weight_decay", lambda v: v >= 0, ">= 0"),
+        ("grad_clip_norm", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+    )
+    problems = []
+    for name, ok, rule in rules:
+        value = getattr(spec, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+            problems.append(f"AdamParams.{name} must be finite and {rule}, got {value!r}")
+    return problems
+
+
 @dataclass
 class DatumArrays:
     """One decoded ``tinker.Datum``: the flattened input tokens and its loss inputs.
@@ -72,7 +110,7 @@ class SampleSpec:
 
     prompt_tokens: tuple[int, ...]
     num_samples: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = None  # the SDK default: no cap but the model context (or EOS / a stop)
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -113,6 +151,7 @@ class CheckpointInfo:
     name: str
     created_at: float
     size_bytes: int
+    expires_at: float | None = None  # unix time after which the checkpoint is deleted; None = never
 
 
 class Engine(Protocol):
@@ -135,12 +174,17 @@ class Engine(Protocol):
 
     def optim_step(self, model_id: str, adam: AdamSpec) -> dict[str, float]: ...
 
-    def save_state(self, model_id: str, name: str) -> str:
-        """Saves LoRA weights + Adam moments + step; returns ``tinker://<run>/weights/<name>``."""
+    def save_state(self, model_id: str, name: str, ttl_seconds: int | None = None) -> str:
+        """Saves LoRA weights + Adam moments + step; returns ``tinker://<run>/weights/<name>``.
+        ``ttl_seconds`` (see :func:`checkpoint_ttl_problem`): the checkpoint is deleted that long after saving."""
         ...
 
-    def save_sampler_weights(self, model_id: str, name: str) -> str:
+    def save_sampler_weights(self, model_id: str, name: str, ttl_seconds: int | None = None) -> str:
         """Returns ``tinker://<run>/sampler_weights/<name>``."""
+        ...
+
+    def set_checkpoint_ttl(self, tinker_path: str, ttl_seconds: int | None) -> None:
+        """Expires the checkpoint ``ttl_seconds`` from now, or never when None."""
         ...
 
     def load_state(self, model_id: str, path: str, with_optimizer: bool, base_model: str | None) -> ModelInfo:
@@ -156,7 +200,8 @@ class Engine(Protocol):
         ...
 
     def sample_batch(self, requests: list[tuple[str, SampleSpec]]) -> list[SampleResult | Exception]:
-        """Runs many (sampler_id, spec) requests through one KV-cached generation loop."""
+        """Runs many (sampler_id, spec) requests to completion. An engine may also offer ``sample_stream()``
+        (continuous batching, see ``sample_stream.py``); the worker then uses that instead."""
         ...
 
     def list_checkpoints(self, run_id: str | None = None) -> list[CheckpointInfo]: ...

@@ -6,6 +6,10 @@ model id (``<session>:train:<n>``), exactly what the SDK's ``ParsedCheckpointTin
 as ``training_run_id``. Layout: ``<root>/<quoted run_id>/<kind>/<name>/{adapter,optimizer}.safetensors,
 meta.json``. Each checkpoint is written into a temporary sibling directory and renamed into place, so
 a crash never leaves a half checkpoint and everything survives a server restart.
+
+A checkpoint saved with ``ttl_seconds`` records ``expires_at`` in its meta; expired checkpoints are
+deleted whenever the store saves, lists or loads, and loading one fails with "expired" (as hosted
+Tinker deletes them), so the storage directory does not grow without bound in long runs.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote
@@ -22,7 +27,7 @@ from urllib.parse import quote, unquote
 import torch
 from safetensors.torch import load_file, save_file
 
-from localtinker.engine.api import CheckpointInfo, EngineUserError, UnknownModelError
+from localtinker.engine.api import CheckpointInfo, EngineUserError, UnknownModelError, checkpoint_ttl_problem
 
 KINDS = ("weights", "sampler_weights")
 _ADAPTER_FILE = "adapter.safetensors"
@@ -57,10 +62,18 @@ def validate_name(name: str) -> None:
         )
 
 
+def _check_ttl(ttl_seconds: int | None) -> None:
+    problem = checkpoint_ttl_problem(ttl_seconds)
+    if problem is not None:
+        raise EngineUserError(problem)
+
+
 class CheckpointStore:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, clock: Callable[[], float] = time.time) -> None:
+        """``clock`` gives the current unix time (tests pass a fake one to expire checkpoints)."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.clock = clock
 
     def _dir(self, run_id: str, kind: str, name: str) -> Path:
         return self.root / quote(run_id, safe="") / kind / name
@@ -73,8 +86,11 @@ class CheckpointStore:
         adapter: dict[str, torch.Tensor],
         meta: dict,
         optimizer: dict[str, torch.Tensor] | None = None,
+        ttl_seconds: int | None = None,
     ) -> str:
         validate_name(name)
+        _check_ttl(ttl_seconds)
+        self.purge_expired()
         target = self._dir(run_id, kind, name)
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
@@ -82,7 +98,9 @@ class CheckpointStore:
             save_file({k: v.contiguous() for k, v in adapter.items()}, str(staging / _ADAPTER_FILE))
             if optimizer is not None:
                 save_file({k: v.contiguous() for k, v in optimizer.items()}, str(staging / _OPTIMIZER_FILE))
-            full_meta = {**meta, "run_id": run_id, "kind": kind, "name": name, "created_at": time.time()}
+            now = self.clock()
+            expires_at = None if ttl_seconds is None else now + ttl_seconds
+            full_meta = {**meta, "run_id": run_id, "kind": kind, "name": name, "created_at": now, "expires_at": expires_at}
             (staging / _META_FILE).write_text(json.dumps(full_meta, indent=1))
             _fsync_dir(staging)
             if target.exists():
@@ -103,12 +121,51 @@ class CheckpointStore:
         if not (directory / _META_FILE).is_file():
             raise UnknownModelError(f"checkpoint {path} does not exist; list_checkpoints shows the saved ones.")
         meta = json.loads((directory / _META_FILE).read_text())
+        if self._expired(meta):
+            self._remove(directory)
+            raise UnknownModelError(
+                f"checkpoint {path} expired at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(meta['expires_at']))} "
+                "(its ttl_seconds) and was deleted; save checkpoints you need without a TTL."
+            )
         adapter = load_file(str(directory / _ADAPTER_FILE))
         optimizer_file = directory / _OPTIMIZER_FILE
         optimizer = load_file(str(optimizer_file)) if optimizer_file.is_file() else None
         return LoadedCheckpoint(meta=meta, adapter=adapter, optimizer=optimizer)
 
     def list(self, run_id: str | None = None) -> list[CheckpointInfo]:
+        """Live checkpoints, oldest first; expired ones are deleted on the way."""
+        return [info for info in self._scan(run_id) if not self._remove_if_expired(info)]
+
+    def purge_expired(self) -> None:
+        for info in self._scan(None):
+            self._remove_if_expired(info)
+
+    def set_ttl(self, path: str, ttl_seconds: int | None) -> CheckpointInfo:
+        """Expires ``path`` ``ttl_seconds`` from now (None: never); rewrites its meta atomically."""
+        _check_ttl(ttl_seconds)
+        run_id, kind, name = parse_tinker_path(path)
+        meta_file = self._dir(run_id, kind, name) / _META_FILE
+        if not meta_file.is_file() or self._expired(json.loads(meta_file.read_text())):
+            self.purge_expired()
+            raise UnknownModelError(f"checkpoint {path} does not exist (or has expired); list_checkpoints shows the live ones.")
+        meta = json.loads(meta_file.read_text())
+        meta["expires_at"] = None if ttl_seconds is None else self.clock() + ttl_seconds
+        staging = meta_file.with_name(f".{_META_FILE}.{os.getpid()}-{time.monotonic_ns()}")
+        staging.write_text(json.dumps(meta, indent=1))
+        os.replace(staging, meta_file)
+        return next(info for info in self._scan(run_id) if info.tinker_path == path)
+
+    def _expired(self, meta: dict) -> bool:
+        expires_at = meta.get("expires_at")
+        return expires_at is not None and float(expires_at) <= self.clock()
+
+    def _remove_if_expired(self, info: CheckpointInfo) -> bool:
+        if info.expires_at is None or info.expires_at > self.clock():
+            return False
+        self._remove(self._dir(info.run_id, info.kind, info.name))
+        return True
+
+    def _scan(self, run_id: str | None) -> list[CheckpointInfo]:
         run_dirs = [self.root / quote(run_id, safe="")] if run_id is not None else sorted(self.root.iterdir())
         infos = []
         for run_dir in run_dirs:
@@ -132,6 +189,7 @@ class CheckpointStore:
                             name=checkpoint.name,
                             created_at=float(meta.get("created_at", 0.0)),
                             size_bytes=sum(f.stat().st_size for f in checkpoint.iterdir() if f.is_file()),
+                            expires_at=None if meta.get("expires_at") is None else float(meta["expires_at"]),
                         )
                     )
         return sorted(infos, key=lambda info: info.created_at)
@@ -141,8 +199,15 @@ class CheckpointStore:
         directory = self._dir(run_id, kind, name)
         if not directory.is_dir():
             raise UnknownModelError(f"checkpoint {path} does not exist; nothing to delete.")
-        trash = directory.parent / f".{name}.deleted-{os.getpid()}-{time.monotonic_ns()}"
-        directory.rename(trash)
+        self._remove(directory)
+
+    def _remove(self, directory: Path) -> None:
+        """Renames first so a concurrent reader sees the checkpoint either whole or gone."""
+        trash = directory.parent / f".{directory.name}.deleted-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            directory.rename(trash)
+        except FileNotFoundError:
+            return
         shutil.rmtree(trash, ignore_errors=True)
 
 

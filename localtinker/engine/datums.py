@@ -63,6 +63,11 @@ def _prepare_one(index: int, datum: DatumArrays, loss_fn: str, vocab_size: int, 
         if not np.all(np.isfinite(values)):
             raise EngineUserError(f"{field_name} contains NaN or infinity; send finite numbers.")
         loss_inputs[key] = torch.as_tensor(values, dtype=torch.float32)
+    if "sequence_ratio_mask" in loss_inputs and not bool((loss_inputs["sequence_ratio_mask"] != 0).any()):
+        raise EngineUserError(
+            f"{where} loss_fn_inputs['sequence_ratio_mask'] marks no token; GSPO's sequence ratio is a mean "
+            "over the marked (sampled) tokens: set it to 1 on at least one of them."
+        )
     return PreparedDatum(tokens=torch.as_tensor(tokens), targets=torch.as_tensor(targets), loss_inputs=loss_inputs)
 
 

@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -43,13 +43,12 @@ from localtinker.engine.losses import LOSSES, resolve_loss_config
 from localtinker.engine.models import DTYPES, TINY_RANDOM_NAME, BaseModel, load_base_model
 from localtinker.engine.optimizer import AdamState, adamw_step, validate_adam
 from localtinker.engine.packaged import SMOLLM2_NAME
-from localtinker.engine.sampler import BatchSampler, validate_sample_spec
+from localtinker.engine.sample_stream import SampleStream, SamplingTarget
+from localtinker.engine.sampler import validate_sample_spec
 
 # Padded tokens per forward/backward micro-batch: bounds activation memory (~1.2 MB/token on
 # SmolLM2-135M); losses and gradients are sums, so splitting is exact.
 TRAIN_MICROBATCH_TOKENS = 2048
-# rows × (prompt + max_tokens) per generation chunk: bounds KV-cache memory.
-SAMPLE_BATCH_TOKENS = 65536
 # Snapshots of a training model's weights (save_weights_and_get_sampling_client) kept per model.
 SNAPSHOTS_PER_MODEL = 8
 # Sampler adapters kept resident per base model (others reload from disk on use).
@@ -83,6 +82,7 @@ class _Host:
     base: BaseModel
     adapters: AdapterHost
     resident: OrderedDict = field(default_factory=OrderedDict)  # sampler weights key -> adapter name
+    held: Counter = field(default_factory=Counter)  # adapter name -> decode batches using it (never evicted)
 
 
 class LocalEngine:
@@ -237,7 +237,7 @@ class LocalEngine:
 
     # ----- checkpoints --------------------------------------------------------------------------
 
-    def save_state(self, model_id: str, name: str) -> str:
+    def save_state(self, model_id: str, name: str, ttl_seconds: int | None = None) -> str:
         with self._lock:
             model = self._model(model_id)
             return self.checkpoints.save(
@@ -247,12 +247,19 @@ class LocalEngine:
                 adapter=self._weights(model),
                 meta=self._meta(model),
                 optimizer=model.adam.to_tensors(),
+                ttl_seconds=ttl_seconds,
             )
 
-    def save_sampler_weights(self, model_id: str, name: str) -> str:
+    def save_sampler_weights(self, model_id: str, name: str, ttl_seconds: int | None = None) -> str:
         with self._lock:
             model = self._model(model_id)
-            return self.checkpoints.save(model_id, "sampler_weights", name, self._weights(model), self._meta(model))
+            return self.checkpoints.save(
+                model_id, "sampler_weights", name, self._weights(model), self._meta(model), ttl_seconds=ttl_seconds
+            )
+
+    def set_checkpoint_ttl(self, tinker_path: str, ttl_seconds: int | None) -> None:
+        with self._lock:
+            self.checkpoints.set_ttl(tinker_path, ttl_seconds)
 
     def load_state(self, model_id: str, path: str, with_optimizer: bool, base_model: str | None) -> ModelInfo:
         with self._lock:
@@ -319,44 +326,52 @@ class LocalEngine:
             self._snapshots.pop(key).unlink(missing_ok=True)
 
     def sample_batch(self, requests: list[tuple[str, SampleSpec]]) -> list[SampleResult | Exception]:
-        """Groups requests by sampler weights; each group runs through one generation loop (chunked by memory)."""
+        """Runs the requests to completion through one :class:`SampleStream` (the protocol keeps its own, long-lived)."""
         with self._lock:
-            requests = list(requests)
-            results: list[SampleResult | Exception | None] = [None] * len(requests)
-            groups: dict[tuple[str, str], list[int]] = {}
+            stream = self.sample_stream()
             for index, (sampler_id, spec) in enumerate(requests):
-                try:
-                    sampler = self._sampler(sampler_id)
-                    base = self._hosts[sampler.base_name].base
-                    if spec.max_tokens is None:  # no limit given: up to the end of the context
-                        spec = replace(spec, max_tokens=max(0, base.max_context_length - len(spec.prompt_tokens)))
-                        requests[index] = (sampler_id, spec)
-                    validate_sample_spec(spec, base.vocab_size, base.max_context_length)
-                except EngineUserError as error:
-                    results[index] = error
-                    continue
-                groups.setdefault((sampler.base_name, str(sampler.weights_key)), []).append(index)
-            for indices in groups.values():
-                sampler = self._sampler(requests[indices[0]][0])
-                try:
-                    outputs = self._sample_group(sampler, [requests[i][1] for i in indices])
-                except Exception as error:  # noqa: BLE001 - one group's failure must not fail the others
-                    outputs = [error] * len(indices)
-                for index, output in zip(indices, outputs):
-                    results[index] = output
+                stream.submit(index, sampler_id, spec)
+            results: list[SampleResult | Exception | None] = [None] * len(requests)
+            while stream.busy:
+                for index, result in stream.step():
+                    results[index] = result
             return results  # type: ignore[return-value]
 
-    def _sample_group(self, sampler: _Sampler, specs: list[SampleSpec]) -> list[SampleResult]:
+    def sample_stream(self) -> SampleStream:
+        """Continuous batching over this engine's samplers: requests join and leave between decode steps."""
+        return SampleStream(self)
+
+    def prepare_sample(self, sampler_id: str, spec: SampleSpec) -> tuple[str, SampleSpec]:
+        """Validates a request for ``sampler_id``; returns (its weights key, the spec with max_tokens resolved)."""
+        sampler = self._sampler(sampler_id)
+        base = self._hosts[sampler.base_name].base
+        if spec.max_tokens is None:  # no limit given: up to the end of the context
+            spec = replace(spec, max_tokens=max(0, base.max_context_length - len(spec.prompt_tokens)))
+        validate_sample_spec(spec, base.vocab_size, base.max_context_length)
+        return f"{sampler.base_name}|{sampler.weights_key}", spec
+
+    def sampling_target(self, sampler_id: str) -> SamplingTarget:
+        """The sampler's base model with its adapter resident and held (not evicted) until ``release``."""
+        sampler = self._sampler(sampler_id)
         host = self._hosts[sampler.base_name]
         adapter = self._resident_adapter(host, sampler)
+        if adapter is not None:
+            host.held[adapter] += 1
         base = host.base
         pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else base.eos_token_ids[0]
-        runner = BatchSampler(base.model, base.tokenizer, base.eos_token_ids, pad)
-        outputs: list[SampleResult] = []
-        with host.adapters.activated(adapter):
-            for chunk in _sample_chunks(specs, SAMPLE_BATCH_TOKENS):
-                outputs.extend(runner.run(chunk))
-        return outputs
+
+        def release() -> None:
+            if adapter is not None:
+                host.held[adapter] -= 1
+
+        return SamplingTarget(
+            model=base.model,
+            tokenizer=base.tokenizer,
+            eos_token_ids=base.eos_token_ids,
+            pad_token_id=pad,
+            activate=lambda: host.adapters.activated(adapter),
+            release=release,
+        )
 
     def _resident_adapter(self, host: _Host, sampler: _Sampler) -> str | None:
         weights_path, key = sampler.weights_path, sampler.weights_key
@@ -379,9 +394,10 @@ class LocalEngine:
         adapter = host.adapters.add_adapter(lora, seed=0)
         host.adapters.import_weights(adapter, weights)
         host.resident[key] = adapter
-        while len(host.resident) > RESIDENT_SAMPLER_ADAPTERS:
-            _, evicted = host.resident.popitem(last=False)
-            host.adapters.delete_adapter(evicted)
+        # Least recently used first; adapters a decode batch still uses stay (so the limit is soft).
+        evictable = [k for k, name in host.resident.items() if not host.held[name] and k != key]
+        while len(host.resident) > RESIDENT_SAMPLER_ADAPTERS and evictable:
+            host.adapters.delete_adapter(host.resident.pop(evictable.pop(0)))
         return adapter
 
     # ----- helpers ------------------------------------------------------------------------------
@@ -459,19 +475,3 @@ def _microbatches(datums: list[PreparedDatum], budget: int) -> list[list[Prepare
     if current:
         batches.append(current)
     return batches
-
-
-def _sample_chunks(specs: list[SampleSpec], budget: int) -> list[list[SampleSpec]]:
-    chunks: list[list[SampleSpec]] = []
-    current: list[SampleSpec] = []
-    used = 0
-    for spec in specs:
-        cost = spec.num_samples * (len(spec.prompt_tokens) + spec.max_tokens)
-        if current and used + cost > budget:
-            chunks.append(current)
-            current, used = [], 0
-        current.append(spec)
-        used += cost
-    if current:
-        chunks.append(current)
-    return chunks

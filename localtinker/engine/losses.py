@@ -3,6 +3,8 @@
 lp = learner logprobs of ``target_tokens``; q = sampler ``logprobs``; A = ``advantages``;
 w = ``weights``; r = exp(lp − q). Every function returns the *elementwise* loss [T] of one datum;
 the engine sums it (never averages). RL losses ignore ``weights``: the client masks by zeroing A.
+The formulas and config keys are Tinker's documented ones (tinker-docs.thinkingmachines.ai/tinker/losses).
+``stable_reinforce`` (in the SDK's LossFnType) has no published formula, so it is refused.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ CONFIG_DEFAULTS: dict[str, dict[str, float | None]] = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     "dro": {"beta": None},  # None = required
+    # Ratio bounds around the sequence ratio; defaults are the GSPO paper's (1 − 3e-4, 1 + 4e-4).
+    "gspo": {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
 }
 
 FLOAT_INPUTS: dict[str, tuple[str, ...]] = {
@@ -31,6 +35,7 @@ FLOAT_INPUTS: dict[str, tuple[str, ...]] = {
     "ppo": ("logprobs", "advantages"),
     "cispo": ("logprobs", "advantages"),
     "dro": ("logprobs", "advantages"),
+    "gspo": ("logprobs", "advantages", "sequence_ratio_mask"),
 }
 
 
@@ -90,10 +95,22 @@ def dro(lp: torch.Tensor, inputs: LossInputs, config: dict[str, float]) -> torch
     return -(lp * inputs["advantages"] - 0.5 * config["beta"] * deviation * deviation)
 
 
+def gspo(lp: torch.Tensor, inputs: LossInputs, config: dict[str, float]) -> torch.Tensor:
+    """GSPO-token: every token carries the sequence ratio s = exp(mean over the mask of lp − q) as its
+    value, with the gradient of its own lp (s_t = sg(s)·exp(lp_t − sg(lp_t))), clipped like PPO."""
+    in_ratio = inputs["sequence_ratio_mask"] != 0
+    sequence_log_ratio = (lp.detach() - inputs["logprobs"])[in_ratio].mean()
+    ratio = torch.exp(sequence_log_ratio + lp - lp.detach())
+    clipped = ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
+    advantages = inputs["advantages"]
+    return -torch.minimum(ratio * advantages, clipped * advantages)
+
+
 LOSSES: dict[str, Callable[[torch.Tensor, LossInputs, dict[str, float]], torch.Tensor]] = {
     "cross_entropy": cross_entropy,
     "importance_sampling": importance_sampling,
     "ppo": ppo,
     "cispo": cispo,
     "dro": dro,
+    "gspo": gspo,
 }

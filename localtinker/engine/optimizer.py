@@ -3,80 +3,87 @@
 Same arithmetic as ``torch.optim.AdamW`` (decoupled weight decay ``p -= lr·wd·p``, bias-corrected
 moments, ``eps`` added after the bias-corrected square root), preceded by global-norm gradient
 clipping like ``torch.nn.utils.clip_grad_norm_`` when ``grad_clip_norm > 0``. The hyperparameters
-come with every ``optim_step`` (clients schedule the learning rate), so the state is just the step
-count and the two moments per tensor.
+come with every ``optim_step`` (clients schedule the learning rate), so the state is the step count
+and, per tensor, the two moments and that tensor's own step count.
+
+Like ``torch.optim.AdamW``, a parameter that received no gradient since the last step (``grad is
+None``, e.g. an optim_step with no forward_backward before it) is left untouched: no weight decay,
+no moment update, no momentum drift, and its bias correction counts only the steps it took part in.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field
 
 import torch
 
-from localtinker.engine.api import AdamSpec, EngineUserError
+from localtinker.engine.api import AdamSpec, EngineUserError, adam_spec_problems
+
+_MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass
 class AdamState:
-    step: int = 0
+    step: int = 0  # optim_step calls so far (the checkpoint's step)
     exp_avg: dict[str, torch.Tensor] = field(default_factory=dict)
     exp_avg_sq: dict[str, torch.Tensor] = field(default_factory=dict)
+    param_steps: dict[str, int] = field(default_factory=dict)  # updates each tensor took part in
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         tensors = {f"exp_avg/{key}": value for key, value in self.exp_avg.items()}
         tensors.update({f"exp_avg_sq/{key}": value for key, value in self.exp_avg_sq.items()})
+        tensors.update({f"param_step/{key}": torch.tensor(n, dtype=torch.int64) for key, n in self.param_steps.items()})
         return tensors
 
     @classmethod
     def from_tensors(cls, step: int, tensors: dict[str, torch.Tensor]) -> "AdamState":
+        """Checkpoints written before per-tensor step counts existed count ``step`` for every tensor."""
         state = cls(step=step)
         for key, value in tensors.items():
             kind, _, name = key.partition("/")
-            getattr(state, kind)[name] = value.float().clone()
+            if kind == "param_step":
+                state.param_steps[name] = int(value)
+            elif kind in _MOMENT_KINDS:
+                getattr(state, kind)[name] = value.float().clone()
+            else:
+                raise EngineUserError(f"optimizer state entry {key!r} is not an AdamW tensor; the checkpoint is corrupt.")
+        for name in state.exp_avg:
+            state.param_steps.setdefault(name, step)
         return state
 
 
 def validate_adam(spec: AdamSpec) -> None:
-    checks = [
-        ("learning_rate", spec.learning_rate, lambda v: v >= 0, ">= 0"),
-        ("beta1", spec.beta1, lambda v: 0 <= v < 1, "in [0, 1)"),
-        ("beta2", spec.beta2, lambda v: 0 <= v < 1, "in [0, 1)"),
-        ("eps", spec.eps, lambda v: v > 0, "> 0"),
-        ("weight_decay", spec.weight_decay, lambda v: v >= 0, ">= 0"),
-        ("grad_clip_norm", spec.grad_clip_norm, lambda v: v >= 0, ">= 0 (0 disables clipping)"),
-    ]
-    for name, value, ok, rule in checks:
-        if not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
-            raise EngineUserError(f"AdamParams.{name} must be finite and {rule}, got {value!r}.")
+    problems = adam_spec_problems(spec)
+    if problems:
+        raise EngineUserError("; ".join(problems) + ".")
 
 
 @torch.no_grad()
 def adamw_step(params: dict[str, torch.nn.Parameter], state: AdamState, spec: AdamSpec) -> dict[str, float]:
-    """Applies one AdamW update to ``params`` from their ``.grad`` (None counts as zero), then clears grads."""
+    """Applies one AdamW update to the ``params`` that have a ``.grad``, then clears grads."""
     validate_adam(spec)
-    grads = {key: (p.grad if p.grad is not None else torch.zeros_like(p)).float() for key, p in params.items()}
-    grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
+    grads = {key: p.grad.float() for key, p in params.items() if p.grad is not None}
+    norms = [torch.linalg.vector_norm(g) for g in grads.values()]
+    grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
     if spec.grad_clip_norm > 0:
         clip_coef = min(1.0, spec.grad_clip_norm / (grad_norm + 1e-6))
         if clip_coef < 1.0:
             grads = {key: g * clip_coef for key, g in grads.items()}
     state.step += 1
-    bias_correction1 = 1 - spec.beta1**state.step
-    bias_correction2_sqrt = math.sqrt(1 - spec.beta2**state.step)
-    step_size = spec.learning_rate / bias_correction1
     update_sq = 0.0
-    for key, param in params.items():
-        grad = grads[key]
+    for key, grad in grads.items():
+        param = params[key]
+        step = state.param_steps.get(key, 0) + 1
+        state.param_steps[key] = step
         exp_avg = state.exp_avg.setdefault(key, torch.zeros_like(grad))
         exp_avg_sq = state.exp_avg_sq.setdefault(key, torch.zeros_like(grad))
         exp_avg.lerp_(grad, 1 - spec.beta1)
         exp_avg_sq.mul_(spec.beta2).addcmul_(grad, grad, value=1 - spec.beta2)
         before = param.detach().clone()
         param.mul_(1 - spec.learning_rate * spec.weight_decay)
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(spec.eps)
-        param.addcdiv_(exp_avg, denom, value=-step_size)
+        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - spec.beta2**step)).add_(spec.eps)
+        param.addcdiv_(exp_avg, denom, value=-spec.learning_rate / (1 - spec.beta1**step))
         update_sq += float((param - before).pow(2).sum())
         param.grad = None
     return {

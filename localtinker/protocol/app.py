@@ -32,6 +32,7 @@ from localtinker.engine.api import (
     ModelInfo,
     SampleResult,
     UnknownModelError,
+    checkpoint_ttl_problem,
 )
 
 from . import json_codec as jc
@@ -131,8 +132,14 @@ class LocalTinkerService:
                 self._wrap(self.delete_checkpoint),
                 methods=["DELETE"],
             ),
+            Route(
+                f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/ttl",
+                self._wrap(self.set_checkpoint_ttl),
+                methods=["PUT"],
+            ),
             Route(f"{API}/checkpoints", self._wrap(self.list_user_checkpoints), methods=["GET"]),
             Route(f"{API}/weights_info", self._wrap(self.weights_info), methods=["POST"]),
+            Route(f"{API}/create_custom_loss", self._wrap(self.create_custom_loss), methods=["POST"]),
         ]
         app = Starlette(routes=routes)
         return GuardMiddleware(app, api_key=self.config.api_key, max_request_bytes=self.config.max_request_bytes)
@@ -473,17 +480,28 @@ class LocalTinkerService:
             raise self._refuse_model_op(model_id, seq_id, e) from e
         return name
 
+    def _checkpoint_ttl(self, body: dict[str, Any], endpoint: str, model_id: str, seq_id: int | None) -> int | None:
+        try:
+            ttl_seconds = jc.field(body, "ttl_seconds", int, endpoint, default=None)
+            problem = checkpoint_ttl_problem(ttl_seconds)
+            if problem is not None:
+                raise bad_request(f"{endpoint}: {problem}")
+        except ProtocolError as e:
+            raise self._refuse_model_op(model_id, seq_id, e) from e
+        return ttl_seconds
+
     async def save_weights(self, request: Request) -> Response:
         endpoint = "save_weights"
         body = await self._json(request, endpoint)
         model_id = jc.field(body, "model_id", str, endpoint)
         seq_id = jc.field(body, "seq_id", int, endpoint, default=None)
         name = self._checkpoint_name(body, endpoint, model_id, seq_id)
+        ttl_seconds = self._checkpoint_ttl(body, endpoint, model_id, seq_id)
         return self._queue_model_op(
             endpoint,
             model_id,
             seq_id,
-            lambda e: e.save_state(model_id, name),
+            lambda e: e.save_state(model_id, name, ttl_seconds),
             lambda path: Payload(json_body={"type": "save_weights", "path": path}),
         )
 
@@ -494,11 +512,12 @@ class LocalTinkerService:
         seq_id = jc.field(body, "seq_id", int, endpoint, default=None)
         if body.get("path") is not None:
             name = self._checkpoint_name(body, endpoint, model_id, seq_id)
+            ttl_seconds = self._checkpoint_ttl(body, endpoint, model_id, seq_id)
             return self._queue_model_op(
                 endpoint,
                 model_id,
                 seq_id,
-                lambda e: e.save_sampler_weights(model_id, name),
+                lambda e: e.save_sampler_weights(model_id, name, ttl_seconds),
                 lambda path: Payload(json_body={"type": endpoint, "path": path}),
             )
         try:
@@ -609,6 +628,7 @@ class LocalTinkerService:
             "time": _iso(info.created_at),
             "tinker_path": info.tinker_path,
             "size_bytes": info.size_bytes,
+            "expires_at": None if info.expires_at is None else _iso(info.expires_at),
         }
 
     async def _checkpoints(self, run_id: str | None) -> list[CheckpointInfo]:
@@ -662,6 +682,28 @@ class LocalTinkerService:
     async def delete_checkpoint(self, request: Request) -> Response:
         path = f"tinker://{request.path_params['run_id']}/{request.path_params['checkpoint_id']}"
         await self._on_worker(f"delete_checkpoint {path}", lambda e: e.delete_checkpoint(path))
+        return JSONResponse({})
+
+    async def create_custom_loss(self, request: Request) -> Response:
+        """Uploaded loss graphs are not run here; client/config says so, and the SDK then runs them itself."""
+        await self._body(request)
+        raise bad_request(
+            "create_custom_loss: localtinker does not run uploaded loss graphs (client/config answers "
+            "custom_loss_server_side=false); ServiceClient.create_custom_loss then keeps the traced loss "
+            "client-side and forward_backward_custom runs it there. Use an unmodified tinker SDK."
+        )
+
+    async def set_checkpoint_ttl(self, request: Request) -> Response:
+        endpoint = "checkpoints/ttl"
+        body = await self._json(request, endpoint)
+        if "ttl_seconds" not in body:
+            raise bad_request(f"{endpoint}: send {{\"ttl_seconds\": seconds}} (or null to never expire)")
+        ttl_seconds = jc.field(body, "ttl_seconds", int, endpoint, default=None)
+        problem = checkpoint_ttl_problem(ttl_seconds)
+        if problem is not None:
+            raise bad_request(f"{endpoint}: {problem}")
+        path = f"tinker://{request.path_params['run_id']}/{request.path_params['checkpoint_id']}"
+        await self._on_worker(f"set_checkpoint_ttl {path}", lambda e: e.set_checkpoint_ttl(path, ttl_seconds))
         return JSONResponse({})
 
     async def weights_info(self, request: Request) -> Response:

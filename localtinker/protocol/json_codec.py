@@ -6,7 +6,7 @@ import json
 import math
 from typing import Any
 
-from localtinker.engine.api import SUPPORTED_LOSSES, AdamSpec, LoraSpec, SampleSpec
+from localtinker.engine.api import SUPPORTED_LOSSES, AdamSpec, LoraSpec, SampleSpec, adam_spec_problems
 
 from .errors import bad_request
 
@@ -95,20 +95,7 @@ def parse_adam(body: dict[str, Any]) -> AdamSpec:
             for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
         }
     )
-    problems = [
-        f"{name}={value} is not finite" for name, value in vars(spec).items() if not math.isfinite(value)
-    ]
-    if spec.learning_rate < 0:
-        problems.append(f"learning_rate={spec.learning_rate} must be >= 0")
-    for name in ("beta1", "beta2"):
-        if not 0.0 <= getattr(spec, name) < 1.0:
-            problems.append(f"{name}={getattr(spec, name)} must be in [0, 1)")
-    if spec.eps < 0:
-        problems.append(f"eps={spec.eps} must be >= 0")
-    if spec.weight_decay < 0:
-        problems.append(f"weight_decay={spec.weight_decay} must be >= 0")
-    if spec.grad_clip_norm < 0:
-        problems.append(f"grad_clip_norm={spec.grad_clip_norm} must be >= 0 (0 disables clipping)")
+    problems = adam_spec_problems(spec)
     if problems:
         raise bad_request(f"optim_step: bad AdamParams: {'; '.join(problems)}")
     return spec
@@ -149,9 +136,9 @@ def parse_sample_spec(body: dict[str, Any]) -> tuple[SampleSpec, int | None]:
         raise bad_request(f"{endpoint}: num_samples={num_samples} must be between 1 and 256")
     params = field(body, "sampling_params", dict, endpoint)
     where = endpoint + ".sampling_params"
-    max_tokens = field(params, "max_tokens", int, where, default=SampleSpec.max_tokens)
-    if max_tokens < 1:
-        raise bad_request(f"{where}: max_tokens={max_tokens} must be >= 1")
+    max_tokens = field(params, "max_tokens", int, where, default=None)  # None: up to the end of the context
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"{where}: max_tokens={max_tokens} must be >= 1 (or null for no limit but the context)")
     temperature = field(params, "temperature", float, where, default=1.0)
     top_p = field(params, "top_p", float, where, default=1.0)
     top_k = field(params, "top_k", int, where, default=-1)

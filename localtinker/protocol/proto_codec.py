@@ -19,7 +19,7 @@ from localtinker.engine.api import DatumArrays, ForwardBackwardResult, SampleRes
 from .errors import ProtocolError, bad_request
 
 # Loss inputs that hold one value per input token; their length must match the model input.
-PER_TOKEN_INPUTS = ("target_tokens", "weights", "logprobs", "advantages")
+PER_TOKEN_INPUTS = ("target_tokens", "weights", "logprobs", "advantages", "sequence_ratio_mask")
 
 _NUMPY_OF_DTYPE = {
     pb.DTYPE_FLOAT32: np.dtype(np.float32),

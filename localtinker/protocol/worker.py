@@ -1,4 +1,4 @@
-"""The one engine worker thread: model ops strictly in per-model ``seq_id`` order, samples batched.
+"""The one engine worker thread: model ops strictly in per-model ``seq_id`` order, sampling in steps.
 
 Every engine call happens on this thread, so the engine needs no locking and one client's
 request can never interleave with another's half-applied state. Three queues feed it:
@@ -7,7 +7,12 @@ request can never interleave with another's half-applied state. Three queues fee
 - per-model queues keyed by ``seq_id``: a model's op runs only when every lower seq_id has run.
   The SDK sends the chunks of one ``forward_backward`` in parallel with the first chunk last,
   so a later chunk simply waits here for the first;
-- sample requests: everything queued is drained into one ``engine.sample_batch`` call.
+- sample requests: handed to the engine's sample stream (continuous batching), which runs one
+  decode step per turn; requests arriving mid-decode join at the next step.
+
+Turns go to the ready consumer (each training model, and sampling as a whole) that has used the
+least engine time (``fair_share.py``): a flood of samples cannot starve a training step, nor the
+reverse. An idle stream lingers ``sample_linger_s`` after a first request so a burst prefills together.
 
 A seq_id that never arrives (its request was refused before queueing without the protocol
 knowing its number) would stall the model forever; after ``gap_timeout_s`` the worker skips it
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from localtinker.engine.api import Engine, EngineUserError, SampleResult, SampleSpec
+from localtinker.protocol.fair_share import FairShare
 
 logger = logging.getLogger("localtinker.protocol")
 
@@ -41,7 +47,7 @@ class Job:
     on_error: Failed
 
 
-@dataclass
+@dataclass(eq=False)
 class SampleJob:
     sampler_id: str
     spec: SampleSpec
@@ -65,6 +71,36 @@ class SequenceError(Exception):
     """A seq_id that arrived after later ones already ran."""
 
 
+class _WholeBatchStream:
+    """The sample stream of an engine that only runs whole batches (``sample_batch``): one step runs all."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._queued: list[tuple[Any, str, SampleSpec]] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queued)
+
+    def submit(self, key: Any, sampler_id: str, spec: SampleSpec) -> None:
+        self._queued.append((key, sampler_id, spec))
+
+    def step(self) -> list[tuple[Any, SampleResult | BaseException]]:
+        batch, self._queued = self._queued, []
+        results = self.engine.sample_batch([(sampler_id, spec) for _, sampler_id, spec in batch])
+        if len(results) != len(batch):
+            raise RuntimeError(f"engine.sample_batch returned {len(results)} results for {len(batch)} requests")
+        return [(key, result) for (key, _, _), result in zip(batch, results)]
+
+
+def _new_stream(engine: Engine):
+    """The engine's continuous-batching stream, or whole batches for engines without one (test fakes)."""
+    return engine.sample_stream() if hasattr(engine, "sample_stream") else _WholeBatchStream(engine)
+
+
+_SAMPLING = "sampling"  # the fair-share consumer that sampling as a whole is
+
+
 class EngineWorker:
     def __init__(self, engine: Engine, *, gap_timeout_s: float = 60.0, sample_linger_s: float = 0.005) -> None:
         self.engine = engine
@@ -74,8 +110,10 @@ class EngineWorker:
         self._control: deque[Job] = deque()
         self._models: dict[str, _ModelQueue] = {}
         self._model_order: deque[str] = deque()
-        self._samples: list[SampleJob] = []
-        self._prefer_samples = False
+        self._samples: list[SampleJob] = []  # arrived, not yet handed to the stream
+        self._stream = _new_stream(engine)
+        self._in_stream: set[SampleJob] = set()  # touched by the worker thread only
+        self._fair = FairShare()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="localtinker-engine", daemon=True)
 
@@ -117,6 +155,7 @@ class EngineWorker:
             queue = self._models.pop(model_id, None)
             if model_id in self._model_order:
                 self._model_order.remove(model_id)
+            self._fair.forget(model_id)
         for job in (queue.waiting.values() if queue else ()):
             if isinstance(job, Job):
                 _safely(job.on_error, EngineUserError(f"model {model_id} was not created; its queued requests are dropped"))
@@ -165,7 +204,7 @@ class EngineWorker:
             return {
                 "control": len(self._control),
                 "model_ops": sum(len(q.waiting) for q in self._models.values()),
-                "samples": len(self._samples),
+                "samples": len(self._samples) + len(self._in_stream),
             }
 
     @staticmethod
@@ -187,20 +226,26 @@ class EngineWorker:
                 if self._stopping:
                     abandoned = self._drain_locked()
                     break
-            if isinstance(work, Job):
-                self._run_job(work)
+            consumer, job = work
+            started = time.monotonic()
+            if job is None:
+                self._run_sampling_step()
             else:
-                self._run_samples(work)
+                self._run_job(job)
+            with self._cond:
+                self._fair.charge(consumer, time.monotonic() - started)
         for on_error in abandoned:
             _safely(on_error, RuntimeError("localtinker is shutting down; the request was not run"))
 
     def _drain_locked(self) -> list[Failed]:
-        abandoned = [job.on_error for job in self._control] + [job.on_error for job in self._samples]
+        jobs = [*self._samples, *self._in_stream]
+        abandoned = [job.on_error for job in self._control] + [job.on_error for job in jobs]
         for queue in self._models.values():
             abandoned += [job.on_error for job in queue.waiting.values() if isinstance(job, Job)]
             queue.waiting.clear()
         self._control.clear()
         self._samples = []
+        self._in_stream.clear()
         return abandoned
 
     def _wait_timeout_locked(self) -> float:
@@ -209,57 +254,62 @@ class EngineWorker:
         stalled = any(q.waiting for q in self._models.values())
         return 1.0 if stalled else 5.0
 
-    def _next_work_locked(self) -> Job | list[SampleJob] | None:
+    def _next_work_locked(self) -> tuple[str, Job | None] | None:
+        """(consumer, job) to run next; job None means a sampling step. Control jobs go first, uncharged."""
         if self._control:
-            return self._control.popleft()
-        model_job = None
-        if not (self._prefer_samples and self._samples):
-            model_job = self._next_model_job_locked()
-        if model_job is not None:
-            self._prefer_samples = True
-            return model_job
-        if self._samples and self._samples_ready_locked():
-            batch, self._samples = self._samples, []
-            self._prefer_samples = False
-            return batch
-        return None
+            return "control", self._control.popleft()
+        ready = [model_id for model_id in self._model_order if self._model_ready_locked(model_id)]
+        if self._sampling_ready_locked():
+            ready.append(_SAMPLING)
+        if not ready:
+            return None
+        chosen = self._fair.pick(ready)
+        if chosen == _SAMPLING:
+            return _SAMPLING, None
+        self._model_order.remove(chosen)  # round-robin among equals: the model just served goes last
+        self._model_order.append(chosen)
+        return chosen, self._pop_ready_locked(chosen, self._models[chosen])
 
-    def _samples_ready_locked(self) -> bool:
-        """Lingers a few ms after the first sample arrives so concurrent requests batch together."""
+    def _sampling_ready_locked(self) -> bool:
+        """A step is due while the stream has work; an idle stream first lingers so a burst batches together."""
+        if self._in_stream or self._stream.busy:
+            return True
+        if not self._samples:
+            return False
         waited = time.monotonic() - self._samples[0].queued_at
-        return waited >= self._sample_linger_s or self._stopping
+        return waited >= self._sample_linger_s
 
-    def _next_model_job_locked(self) -> Job | None:
-        for _ in range(len(self._model_order)):
-            model_id = self._model_order[0]
-            self._model_order.rotate(-1)
-            queue = self._models[model_id]
-            job = self._pop_ready_locked(model_id, queue)
-            if job is not None:
-                return job
-        return None
+    def _model_ready_locked(self, model_id: str) -> bool:
+        queue = self._models[model_id]
+        self._skip_refused_locked(model_id, queue)
+        return queue.next_seq in queue.waiting
 
-    def _pop_ready_locked(self, model_id: str, queue: _ModelQueue) -> Job | None:
+    def _pop_ready_locked(self, model_id: str, queue: _ModelQueue) -> Job:
+        job = queue.waiting.pop(queue.next_seq)
+        queue.next_seq += 1
+        return job
+
+    def _skip_refused_locked(self, model_id: str, queue: _ModelQueue) -> None:
+        """Moves ``next_seq`` past refused seq_ids, and past a missing one after ``gap_timeout_s``."""
         while queue.waiting:
             if queue.next_seq in queue.waiting:
                 queue.gap_since = None
-                job = queue.waiting.pop(queue.next_seq)
+                if queue.waiting[queue.next_seq] is not _SKIPPED:
+                    return
+                del queue.waiting[queue.next_seq]
                 queue.next_seq += 1
-                if job is _SKIPPED:
-                    continue
-                return job
+                continue
             now = time.monotonic()
             if queue.gap_since is None:
                 queue.gap_since = now
             if now - queue.gap_since < self._gap_timeout_s:
-                return None
+                return
             lowest = min(queue.waiting)
             logger.warning(
                 "model %s: seq_id %d never arrived within %.0f s; skipping to seq_id %d",
                 model_id, queue.next_seq, self._gap_timeout_s, lowest,
             )
             queue.next_seq, queue.gap_since = lowest, None
-        return None
 
     def _run_job(self, job: Job) -> None:
         try:
@@ -271,18 +321,25 @@ class EngineWorker:
             return
         _safely(job.on_done, result)
 
-    def _run_samples(self, batch: list[SampleJob]) -> None:
+    def _run_sampling_step(self) -> None:
+        """Hands newly arrived requests to the stream, runs one step, completes the requests it finished."""
+        with self._cond:
+            arrived, self._samples = self._samples, []
         try:
-            results = self.engine.sample_batch([(job.sampler_id, job.spec) for job in batch])
-            if len(results) != len(batch):
-                raise RuntimeError(f"engine.sample_batch returned {len(results)} results for {len(batch)} requests")
-        except BaseException as e:  # noqa: BLE001
+            for job in arrived:
+                self._in_stream.add(job)
+                self._stream.submit(job, job.sampler_id, job.spec)
+            completed = self._stream.step()
+        except BaseException as e:  # noqa: BLE001 - a broken step fails the requests in it, not the worker
             if not isinstance(e, EngineUserError):
-                logger.exception("engine error in sample_batch of %d requests", len(batch))
-            for job in batch:
+                logger.exception("engine error in a sampling step of %d requests", len(self._in_stream))
+            failed, self._in_stream = self._in_stream, set()
+            self._stream = _new_stream(self.engine)
+            for job in failed:
                 _safely(job.on_error, e)
             return
-        for job, result in zip(batch, results):
+        for job, result in completed:
+            self._in_stream.discard(job)
             if isinstance(result, BaseException):
                 _safely(job.on_error, result)
             else:

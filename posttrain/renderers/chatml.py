@@ -2,7 +2,9 @@
 
 Every message ends with ``<|im_end|>\\n`` exactly as SmolLM2's own chat template writes it, so a
 rendered conversation is token-identical to ``tokenizer.apply_chat_template`` (tested) whenever the
-content holds no special-token text (which we encode literally and the template does not).
+content holds no special-token text (which we encode literally and the template does not). A trained
+message is trained up to and including ``<|im_end|>``, its stop token; the ``\\n`` after it stays in the
+sequence as context of the next turn but is never a target (the sampler stops before producing it).
 ``smollm2`` is the same format with the default system prompt SmolLM2's template inserts when a
 conversation has none.
 """
@@ -50,7 +52,7 @@ class ChatMLRenderer(Renderer):
         header = [template(f"<|im_start|>{message['role']}\n")]
         if ctx.idx == 0 and self.default_system_prompt is not None and message["role"] != "system":
             header = [template(f"<|im_start|>system\n{self.default_system_prompt}<|im_end|>\n")] + header
-        return RenderedMessage(header=header, output=[content(text), template("<|im_end|>\n")])
+        return RenderedMessage(header=header, output=[content(text), template("<|im_end|>")], trailer=[template("\n")])
 
     def generation_suffix(self, role: str, ctx: RenderContext) -> list[Piece]:
         return [template(f"<|im_start|>{role}\n")]

@@ -6,7 +6,9 @@
 - ``deepseekv3`` (non-thinking): every assistant message after a user message opens with
   ``<｜Assistant｜></think>``; reasoning is dropped everywhere.
 - ``deepseekv3_thinking``: the generation prompt after a user message ends ``<｜Assistant｜><think>``
-  and the produced (final) message continues ``{reasoning}</think>{answer}``; every other message,
+  and the produced (final) message continues ``{reasoning}</think>{answer}`` (``</think>{answer}`` when
+  a non-empty answer has no reasoning: an empty ``<think></think>`` block, as tinker-cookbook 0.6.1 and
+  tml-renderers write it); every other message,
   including the history of a generation prompt, loses its reasoning and opens with ``</think>``. A produced message that is not preceded by a user message
   (after a tool result) writes the whole ``<think>{reasoning}</think>`` block itself.
 - System prompts come first, joined by a blank line, before any user message (a system message later
@@ -115,6 +117,8 @@ class DeepSeekV3Renderer(Renderer):
         if produced and reasoning is not None:
             output += [] if after_user else [template("<think>")]
             output += [content(reasoning), template("</think>")]
+        elif produced and after_user and text:
+            output.append(template("</think>"))  # close the prefilled <think>: an empty block, as cookbook 0.6.1
         calls = message.get("tool_calls") or []
         if text or not calls:
             output += [content(text), template(EOS)]

@@ -14,7 +14,7 @@ rendered-token columns ``model_input``, ``target_tokens``, ``weights`` (:class:`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol, Sequence, get_args
+from typing import Protocol, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -22,9 +22,10 @@ import pyarrow.compute as pc
 import tinker
 
 from posttrain.datasets.schemas import TRAIN_SPLIT
-
-LossReduction = Literal["sum", "example_mean", "token_mean"]
-LOSS_REDUCTIONS: tuple[str, ...] = get_args(LossReduction)
+from posttrain.datums import datum_from_tokens, datum_targets, datum_weights
+from posttrain.renderers.datum import LOSS_REDUCTIONS as LOSS_REDUCTIONS  # re-exported for the configs
+from posttrain.renderers.datum import REDUCTION_ALIASES, reduce_weights
+from posttrain.renderers.datum import LossReduction as LossReduction
 
 
 class SupervisedData(Protocol):
@@ -73,53 +74,17 @@ def batch_indices(num_examples: int, batch_size: int, epoch: int, batch_index: i
     return epoch_order(num_examples, epoch, seed, shuffle)[batch_index * batch_size : (batch_index + 1) * batch_size]
 
 
-def datum_from_tokens(model_input: Sequence[int], target_tokens: Sequence[int], weights: Sequence[float]) -> tinker.Datum:
-    """A cross-entropy ``Datum`` from pre-shifted tokens (``model_input[i]`` predicts ``target_tokens[i]``)."""
-    inputs = np.asarray(model_input, dtype=np.int64)
-    targets = np.asarray(target_tokens, dtype=np.int64)
-    weight_array = np.asarray(weights, dtype=np.float32)
-    if not len(inputs) == len(targets) == len(weight_array):
-        raise ValueError(
-            f"model_input, target_tokens and weights must have equal lengths, got "
-            f"{len(inputs)}, {len(targets)}, {len(weight_array)}"
-        )
-    return tinker.Datum(
-        model_input=tinker.ModelInput.from_ints(inputs.tolist()),
-        loss_fn_inputs={"target_tokens": targets, "weights": weight_array},
-    )
-
-
-def datum_weights(datum: tinker.Datum) -> np.ndarray:
-    return np.asarray(datum.loss_fn_inputs["weights"].to_numpy(), dtype=np.float32).reshape(-1)
-
-
-def datum_targets(datum: tinker.Datum) -> np.ndarray:
-    return np.asarray(datum.loss_fn_inputs["target_tokens"].to_numpy(), dtype=np.int64).reshape(-1)
-
-
-def apply_loss_reduction(batch: list[tinker.Datum], reduction: str) -> list[tinker.Datum]:
-    """Rescale weights so the server's *summed* loss has the intended normalisation.
-
-    ``sum``: weights as given. ``example_mean``: each example's weights sum to 1 (cookbook SFT default:
-    every conversation counts equally). ``token_mean``: every trained token of the batch weighs
-    ``1 / trained tokens in the batch`` (loss and gradient scale independent of batch size).
-    """
-    if reduction not in LOSS_REDUCTIONS:
-        raise ValueError(f"unknown loss_reduction {reduction!r}: use one of {', '.join(LOSS_REDUCTIONS)}")
-    if reduction == "sum":
+def apply_loss_reduction(batch: list[tinker.Datum], reduction: str = "mean") -> list[tinker.Datum]:
+    """The batch with its weights rescaled by ``posttrain.renderers.datum.reduce_weights`` so the server's
+    *summed* loss has the intended normalisation: ``mean`` (cookbook default, alias ``example_mean``):
+    each example's weights sum to 1; ``sum``: weights as given; ``token_mean``: every trained token of
+    the batch weighs ``1 / trained tokens in the batch``."""
+    reduced = reduce_weights([datum_weights(datum) for datum in batch], reduction)
+    if REDUCTION_ALIASES.get(reduction, reduction) == "sum":
         return batch
-    weights = [datum_weights(datum) for datum in batch]
-    if reduction == "example_mean":
-        scales = [1.0 / total if (total := float(w.sum())) > 0 else 0.0 for w in weights]
-    else:
-        batch_total = float(sum(w.sum() for w in weights))
-        scales = [1.0 / batch_total if batch_total > 0 else 0.0] * len(batch)
     return [
-        tinker.Datum(
-            model_input=datum.model_input,
-            loss_fn_inputs={**datum.loss_fn_inputs, "weights": (w * scale).astype(np.float32)},
-        )
-        for datum, w, scale in zip(batch, weights, scales)
+        tinker.Datum(model_input=datum.model_input, loss_fn_inputs={**datum.loss_fn_inputs, "weights": weights})
+        for datum, weights in zip(batch, reduced, strict=True)
     ]
 
 

@@ -75,3 +75,28 @@ def test_sampling_client_loads_its_tokenizer_by_model_name_offline(
 
     text = "<|im_start|>assistant\n12 + 7 = 19<|im_end|>"
     assert tokenizer.encode(text) == smollm2_tokenizer.encode(text)
+
+
+def test_omitted_max_tokens_samples_until_eos_past_16_tokens(service_client: tinker.ServiceClient) -> None:
+    """SamplingParams.max_tokens defaults to None (no cap but the context). The model is nudged until EOS has
+    ~2-6% probability at every position; unmodified SamplingParams then give answers that run until EOS
+    (stop_reason "stop"), some longer than 16 tokens, the cap localtinker used to impose."""
+    trainer = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=8, seed=1).result()
+    eos = trainer.get_tokenizer().eos_token_id
+    tokens = [int(t) for t in np.random.default_rng(0).integers(1000, 40000, size=40)]
+    eos_everywhere = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs={"target_tokens": [eos] * len(tokens)}
+    )
+    for _ in range(40):
+        probe = trainer.forward([eos_everywhere], "cross_entropy").result()
+        if np.exp(probe.loss_fn_outputs[0]["logprobs"].to_numpy()).mean() >= 0.02:
+            break
+        trainer.forward_backward([eos_everywhere], "cross_entropy")
+        trainer.optim_step(types.AdamParams(learning_rate=3e-3))
+    assert np.exp(probe.loss_fn_outputs[0]["logprobs"].to_numpy()).mean() < 0.06
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(seed=5)
+    assert params.max_tokens is None
+    result = sampler.sample(PROMPT, num_samples=8, sampling_params=params).result()
+    assert all(s.stop_reason == "stop" and s.tokens[-1] == eos for s in result.sequences)
+    assert max(len(s.tokens) for s in result.sequences) > 16

@@ -5,22 +5,36 @@ import subprocess
 import sys
 from pathlib import Path
 
+from assets.rl import RL
+from assets.sft import SFT
+from assets.training import training_config_class
 from pipelines.definitions import build_definitions
 from tests.fixtures.dagster_env import tiny_resources
 
 REPO = Path(__file__).resolve().parents[2]
+TRAINING_SPECS = (SFT, RL)  # every recipe's TrainingSpec: their launchpad configs are checked below
 
 # key: (upstream keys, group, kinds, partitioned by, checks). Update deliberately when the graph changes.
 ASSET_GRAPH = {
     "base_model": ([], "training", ["huggingface", "tinker"], None, []),
     "chat_dataset": ([], "data", ["huggingface", "parquet"], None, ["has_assistant_turns", "schema_valid"]),
+    "code_problems": ([], "data", ["huggingface", "parquet"], None, ["has_tests", "schema_valid"]),
+    "preference_comparisons": ([], "data", ["huggingface", "parquet"], None, ["pairs_differ", "schema_valid"]),
+    "preference_pairs": (
+        ["base_model", "preference_comparisons"], "data", ["parquet"], None,
+        ["pairs_differ_and_share_prompt", "schema_valid", "within_max_length"],
+    ),
     "rendered_tokens": (
-        ["chat_dataset"], "data", ["parquet"], None, ["every_example_trained", "schema_valid", "within_max_length"]
+        ["base_model", "chat_dataset"], "data", ["parquet"], None, ["every_example_trained", "schema_valid", "within_max_length"]
     ),
+    "rl_problems": ([], "data", ["huggingface", "parquet"], None, ["gold_answers_verified", "schema_valid"]),
     "sft_checkpoint": (["base_model", "rendered_tokens"], "training", ["mlflow", "tinker"], None, []),
-    "eval_report": (
-        ["chat_dataset", "rendered_tokens", "sft_checkpoint"], "eval", ["mlflow", "parquet", "tinker"], "checkpoints", ["improves_on_base"]
-    ),
+    "sft_checkpoints": (["sft_checkpoint"], "training", ["tinker"], "sft_checkpoints", []),
+    "sft_eval_report": (["sft_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "sft_checkpoints", ["improves_on_base"]),
+    "rl_checkpoint": (["base_model", "rl_problems", "sft_checkpoint"], "training", ["mlflow", "tinker"], None, []),
+    "rl_checkpoints": (["rl_checkpoint"], "training", ["tinker"], "rl_checkpoints", []),
+    "rl_eval_report": (["rl_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "rl_checkpoints", ["improves_on_base"]),
+    "rollout_batches": (["rl_checkpoint"], "training", ["mlflow", "parquet"], None, []),
 }
 
 
@@ -48,17 +62,17 @@ def test_jobs_cover_each_stage_and_the_whole_chain(project_state):
     assert selections == {
         "sft_data": ["base_model", "chat_dataset", "rendered_tokens"],
         "sft_train": ["sft_checkpoint"],
-        "sft_eval": ["eval_report"],
+        "sft_eval": ["sft_eval_report"],
         "sft_chain": ["base_model", "chat_dataset", "rendered_tokens", "sft_checkpoint"],
     }
 
 
 def test_every_config_field_has_a_default_and_a_description():
     from assets.base_model import BaseModelConfig
-    from assets.checkpoints import SftConfig
     from assets.evals import EvalConfig
 
-    for config in (BaseModelConfig, SftConfig, EvalConfig):
+    configs = [BaseModelConfig, EvalConfig] + [training_config_class(spec) for spec in TRAINING_SPECS]
+    for config in configs:
         for name, field in config.model_fields.items():
             assert not field.is_required(), f"{config.__name__}.{name} has no default"
             assert field.description, f"{config.__name__}.{name} has no description"
@@ -73,3 +87,20 @@ def test_dagster_definitions_validate_passes(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Validation successful" in result.stdout + result.stderr
+
+
+def test_launchpad_config_derives_from_the_library_config():
+    """One field list: the SFT launchpad fields are SupervisedConfig's + TrainingConfig's (minus asset-owned) + init_from."""
+    import dataclasses
+    import typing
+
+    from posttrain.supervised.config import SupervisedConfig
+    from posttrain.training.config import TrainingConfig
+
+    config = training_config_class(SFT)
+    library = {f.name for f in dataclasses.fields(SupervisedConfig)} - {"training"}
+    training = {f.name for f in dataclasses.fields(TrainingConfig)} - {"log_dir", "base_model", "init_from"}
+    assert set(config.model_fields) == library | training | {"init_from"}
+    assert typing.get_args(config.model_fields["lr_schedule"].annotation) == ("linear", "cosine", "constant")
+    assert config.model_fields["learning_rate"].default == 5e-4  # SFT's asset default overrides the library's 1e-4
+    assert set(config.model_fields["adam"].annotation.model_fields) == {"beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"}

@@ -27,17 +27,17 @@ def test_lineage_by_tinker_path_and_by_model_version_prints_the_whole_chain(sft_
     assert by_path.returncode == 0, by_path.stderr
     out = by_path.stdout
     expected_in_order = [
-        f"checkpoint      {final.partition}",
+        f"checkpoint      {final.partition}  (sft, step 6, final)",
         final.state_path,
-        f"Dagster       {run.chain.run_id}  job sft_chain, SUCCESS",
+        f"Dagster {run.chain.run_id}  job sft_chain, SUCCESS",
         final.mlflow_run_url,
-        f"data version  {tokens.asset_materialization.tags['dagster/data_version']}",
-        "dataset (chat_dataset)",
+        "started from  the base model",
+        f"rendered_tokens @ {tokens.asset_materialization.tags['dagster/data_version']}",
+        f"chat_dataset @ {chat.asset_materialization.tags['dagster/data_version']}",
         "reasoning_gym:",
-        chat.asset_materialization.tags["dagster/data_version"],
+        "eval report   run ",
         "base model      localtinker/tiny-random",
         final.base_model_digest,
-        "eval reports    1",
     ]
     position = 0
     for piece in expected_in_order:  # each piece appears, in this order

@@ -9,14 +9,14 @@ from resources.mlflow import TAG_ASSET_KEY, TAG_DAGSTER_RUN_ID, TAG_PARTITION
 
 
 def _metadata(result, node):
-    (materialization,) = result.asset_materializations_for_node(node)
+    (materialization,) = [m for m in result.asset_materializations_for_node(node) if m.asset_key == dg.AssetKey(node)]
     return {key: getattr(value, "value", value) for key, value in materialization.metadata.items()}
 
 
 def test_chain_turns_every_saved_checkpoint_into_a_partition_with_a_manifest(sft_pipeline_run):
     run = sft_pipeline_run
     assert run.chain.success
-    partitions = run.instance.get_dynamic_partitions("checkpoints")
+    partitions = run.instance.get_dynamic_partitions("sft_checkpoints")
     manifests = [m for m in all_manifests() if m.training_dagster_run_id == run.chain.run_id]
     assert sorted(m.partition for m in manifests) == sorted(partitions)
     assert [m.step for m in sorted(manifests, key=lambda m: m.step)] == [3, 6]
@@ -63,29 +63,30 @@ def test_training_is_one_mlflow_run_with_per_step_metrics_datasets_and_model_ver
         assert version.tags["chat_dataset.data_version"] == manifest.upstream["chat_dataset"]["data_version"]
 
 
-def test_sensor_requested_evals_produce_reports_checks_and_mlflow_runs(sft_pipeline_run):
+def test_automation_requested_evals_produce_reports_checks_and_mlflow_runs(sft_pipeline_run):
     run = sft_pipeline_run
-    partitions = run.instance.get_dynamic_partitions("checkpoints")
-    assert [r.partition_key for r in run.sensor_requests] == partitions
+    partitions = run.instance.get_dynamic_partitions("sft_checkpoints")
+    assert run.requested_partitions == sorted(partitions)  # every new checkpoint, once
     client = run.mlflow.get_client()
     for partition, result in run.evals.items():
         assert result.success
-        metadata = _metadata(result, "eval_report")
+        metadata = _metadata(result, "sft_eval_report")
         assert metadata["checkpoint"] == partition
         assert "| nll |" in metadata["report"] and "| accuracy |" in metadata["report"]
-        table = pq.read_table(run.state / "parquet" / "eval_report" / f"{partition}.parquet")
-        assert table.column("metric").to_pylist() == ["nll", "bpb", "accuracy"]
+        table = pq.read_table(run.state / "parquet" / "sft_eval_report" / f"{partition}.parquet")
         rows = {row["metric"]: row for row in table.to_pylist()}
+        assert {"nll", "bpb", "accuracy"} <= set(rows)
         assert rows["nll"]["checkpoint"] == metadata["checkpoint_nll"]
         assert rows["nll"]["base"] == metadata["base_nll"]
-        assert abs(rows["nll"]["delta"] - (metadata["checkpoint_nll"] - metadata["base_nll"])) < 1e-9
+        assert abs(rows["nll"]["delta_base"] - (metadata["checkpoint_nll"] - metadata["base_nll"])) < 1e-9
+        assert rows["nll"]["parent"] is None  # trained from the base model: no parent column
         (check,) = result.get_asset_check_evaluations()
         assert check.check_name == "improves_on_base" and check.severity == dg.AssetCheckSeverity.WARN
-        strictly_worse = [m for m, row in rows.items() if (row["delta"] < 0 if m == "accuracy" else row["delta"] > 0)]
+        strictly_worse = [m for m in ("nll", "bpb") if rows[m]["delta_base"] > 0] + (["accuracy"] if rows["accuracy"]["delta_base"] < 0 else [])
         assert check.passed == (not strictly_worse)
         (eval_run,) = client.search_runs(
             [run.mlflow.experiment_id(client)],
-            f"tags.`{TAG_PARTITION}` = '{partition}' and tags.`{TAG_ASSET_KEY}` = 'eval_report'",
+            f"tags.`{TAG_PARTITION}` = '{partition}' and tags.`{TAG_ASSET_KEY}` = 'sft_eval_report'",
         )
         assert eval_run.data.metrics["eval/nll"] == metadata["checkpoint_nll"]
         assert eval_run.data.metrics["base/nll"] == metadata["base_nll"]
@@ -98,5 +99,5 @@ def test_sensor_requested_evals_produce_reports_checks_and_mlflow_runs(sft_pipel
 def test_training_lowers_held_out_nll_of_the_tiny_model(sft_pipeline_run):
     """Six steps at lr 1e-3 on a random model must already beat it on held-out NLL (a real training signal)."""
     final = max((m for m in all_manifests() if m.training_dagster_run_id == sft_pipeline_run.chain.run_id), key=lambda m: m.step)
-    metadata = _metadata(sft_pipeline_run.evals[final.partition], "eval_report")
+    metadata = _metadata(sft_pipeline_run.evals[final.partition], "sft_eval_report")
     assert metadata["checkpoint_nll"] < metadata["base_nll"]

@@ -1,5 +1,7 @@
 """MlflowResource inside real Dagster materializations against a real sqlite MLflow store."""
 
+import json
+
 import dagster as dg
 import pytest
 from mlflow.entities import RunStatus
@@ -15,7 +17,8 @@ def tracked(context: dg.AssetExecutionContext, mlflow: MlflowResource) -> dg.Mat
         run.log_params({"learning_rate": 1e-3, "batch_size": 4})
         for step in range(3):
             run.log_metrics({"loss": 3.0 - step, "loss:sum": 30.0 - step, "note": "skipped"}, step=step)
-        run.log_dataset("rendered_tokens", "/data/tokens.parquet", digest="d" * 64)
+        run.log_dataset("rendered_tokens", "/data/tokens.parquet", digest="d" * 64, profile={"dagster/row_count": 12})
+        run.log_dataset("chat_dataset", "dagster://chat_dataset", digest="c" * 8, context="eval")
         version = run.register_checkpoint(
             "sft-test", "tinker://run-1/weights/000002", tags={"base_model": "tiny", "training_run": context.run.run_id}
         )
@@ -45,14 +48,27 @@ def test_one_tagged_run_per_materialization_with_metrics_datasets_and_model_vers
     assert [m.value for m in client.get_metric_history(run.info.run_id, "loss")] == [3.0, 2.0, 1.0]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss_sum")] == [0, 1, 2]
     assert "note" not in run.data.metrics
-    (dataset_input,) = run.inputs.dataset_inputs
-    assert dataset_input.dataset.name == "rendered_tokens"
-    assert dataset_input.dataset.digest == "d" * 36
-    assert {t.key: t.value for t in dataset_input.tags}["dagster.data_version"] == "d" * 64
+    tokens_input, chat_input = sorted(run.inputs.dataset_inputs, key=lambda i: i.dataset.name != "rendered_tokens")
+    assert tokens_input.dataset.name == "rendered_tokens"
+    assert tokens_input.dataset.digest == "d" * 36
+    assert tokens_input.dataset.source_type == "local"
+    assert json.loads(tokens_input.dataset.source) == {"uri": "/data/tokens.parquet"}
+    assert json.loads(tokens_input.dataset.profile) == {"dagster/row_count": 12}
+    assert {t.key: t.value for t in tokens_input.tags} == {"mlflow.data.context": "training", "dagster.data_version": "d" * 64}
+    assert (chat_input.dataset.name, chat_input.dataset.source_type) == ("chat_dataset", "http")
+    assert json.loads(chat_input.dataset.source) == {"url": "dagster://chat_dataset"}
+    assert chat_input.dataset.profile is None
+    assert {t.key: t.value for t in chat_input.tags}["mlflow.data.context"] == "eval"
     (version,) = client.search_model_versions("name='sft-test'")
     assert version.source == "tinker://run-1/weights/000002"
     assert version.run_id == run.info.run_id
-    assert version.tags == {"base_model": "tiny", "training_run": result.run_id}
+    (model,) = client.search_logged_models([run.info.experiment_id])
+    assert version.tags == {
+        "base_model": "tiny",
+        "training_run": result.run_id,
+        "tinker_path": "tinker://run-1/weights/000002",
+        "logged_model_id": model.model_id,
+    }
     url = result.asset_materializations_for_node("tracked")[0].metadata["mlflow_run"].value
     assert url.endswith(f"/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}")
 
@@ -77,6 +93,18 @@ def test_secret_looking_params_are_refused(mlflow_resource):
     client = mlflow_resource.get_client()
     (run,) = client.search_runs([mlflow_resource.experiment_id(client)])
     assert run.data.params == {}
+
+
+def test_secret_looking_run_tags_are_refused_before_the_run_opens(mlflow_resource):
+    @dg.asset
+    def leaky_tags(context: dg.AssetExecutionContext, mlflow: MlflowResource) -> None:
+        with pytest.raises(ValueError, match=r"start_run\(tags=\).*\['hf_token'\]"):
+            with mlflow.start_run(context, tags={"hf_token": "hf_secret"}):
+                pass
+
+    assert dg.materialize([leaky_tags], resources={"mlflow": mlflow_resource}).success
+    client = mlflow_resource.get_client()
+    assert client.search_runs([mlflow_resource.experiment_id(client)]) == []
 
 
 def test_default_store_is_sqlite_at_an_absolute_path_under_the_state_dir(project_state):

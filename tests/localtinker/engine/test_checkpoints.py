@@ -160,3 +160,47 @@ def test_a_checkpoint_overwritten_under_the_same_name_is_reloaded(engine, new_id
     engine.create_ephemeral_sampler("live", model_id)
     second, live = (r.sequences[0].logprobs for r in engine.sample_batch([("latest-2", prompt), ("live", prompt)]))
     assert second != first and np.allclose(second, live, atol=1e-6)
+
+
+def test_checkpoint_ttl_expires_lists_and_deletes(tmp_path):
+    """A checkpoint saved with ttl_seconds lists its expiry, can have it changed or removed, and once
+    expired is deleted from disk, absent from listings and fails to load with a message saying so."""
+    from localtinker.engine.checkpoints import CheckpointStore
+
+    now = [1_000_000.0]
+    store = CheckpointStore(tmp_path, clock=lambda: now[0])
+    weights = {"w": torch.ones(2)}
+    short = store.save("run:train:0", "weights", "short", weights, {"step": 1}, ttl_seconds=3600)
+    keep = store.save("run:train:0", "sampler_weights", "keep", weights, {"step": 1})
+    renewed = store.save("run:train:0", "weights", "renewed", weights, {"step": 1}, ttl_seconds=3600)
+    assert {info.tinker_path: info.expires_at for info in store.list()} == {
+        short: 1_003_600.0,
+        keep: None,
+        renewed: 1_003_600.0,
+    }
+    assert store.set_ttl(renewed, None).expires_at is None
+    assert store.set_ttl(keep, 7200).expires_at == 1_007_200.0
+    now[0] += 3600
+    assert {info.tinker_path for info in store.list()} == {keep, renewed}
+    assert not (tmp_path / "run%3Atrain%3A0" / "weights" / "short").exists()
+    with pytest.raises(UnknownModelError, match="does not exist"):
+        store.load(short)
+    now[0] += 3600
+    store.save("run:train:0", "weights", "later", weights, {"step": 2})  # saving purges expired ones too
+    assert not (tmp_path / "run%3Atrain%3A0" / "sampler_weights" / "keep").exists()
+    assert [info.name for info in store.list()] == ["renewed", "later"]
+    for bad in (0, 3599, 10 * 365 * 24 * 3600 + 1, 1.5):
+        with pytest.raises(EngineUserError, match="ttl_seconds"):
+            store.save("run:train:0", "weights", "bad", weights, {"step": 1}, ttl_seconds=bad)
+
+
+def test_loading_an_expired_checkpoint_says_it_expired(tmp_path):
+    from localtinker.engine.checkpoints import CheckpointStore
+
+    now = [50_000.0]
+    store = CheckpointStore(tmp_path, clock=lambda: now[0])
+    path = store.save("run:train:1", "weights", "old", {"w": torch.ones(1)}, {"step": 1}, ttl_seconds=3600)
+    now[0] += 3601
+    with pytest.raises(UnknownModelError, match="expired at .* and was deleted"):
+        store.load(path)
+    assert store.list() == []

@@ -39,6 +39,7 @@ def rl_data(reference: ReferenceModel, seed: int) -> list[DatumArrays]:
             "logprobs": (current + offsets).astype(np.float32),
             "advantages": advantages.astype(np.float32),
             "mask": np.ones(length, np.float32),  # unknown keys are ignored
+            "sequence_ratio_mask": (advantages != 0).astype(np.float32),  # read by gspo only
         }
         data.append(DatumArrays(tokens=tokens[:-1], loss_fn_inputs=inputs))
     return data
@@ -58,6 +59,12 @@ def reference_loss(name: str, lp: torch.Tensor, inputs: dict[str, np.ndarray], c
         return -(torch.clamp(ratio, low, high).detach() * lp * adv).sum()
     if name == "dro":
         return -(lp * adv - 0.5 * config["beta"] * (lp - q) ** 2).sum()
+    if name == "gspo":
+        low, high = config.get("clip_low_threshold", 1 - 3e-4), config.get("clip_high_threshold", 1 + 4e-4)
+        mask = torch.as_tensor(inputs["sequence_ratio_mask"])
+        sequence_ratio = (((lp.detach() - q) * mask).sum() / mask.sum()).exp()
+        token_ratio = sequence_ratio * (lp - lp.detach()).exp()
+        return -torch.minimum(token_ratio * adv, torch.clamp(token_ratio, low, high) * adv).sum()
     raise AssertionError(name)
 
 
@@ -107,6 +114,8 @@ def test_cross_entropy_is_weighted_token_sum(engine, trained):
         ("cispo", None),
         ("cispo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
         ("dro", {"beta": 0.7}),
+        ("gspo", None),
+        ("gspo", {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}),
     ],
 )
 def test_rl_loss_value_and_gradient(engine, trained, name, config):
@@ -176,7 +185,7 @@ def test_dro_quadratic_term_changes_value(engine, trained):
 @pytest.mark.parametrize("name", ["stable_reinforce", "mse", ""])
 def test_unsupported_loss_names_the_supported_ones(engine, trained, name):
     rng = np.random.default_rng(0)
-    with pytest.raises(EngineUserError, match="cross_entropy, importance_sampling, ppo, cispo, dro"):
+    with pytest.raises(EngineUserError, match="cross_entropy, importance_sampling, ppo, cispo, dro, gspo"):
         engine.forward_backward(trained, [sft_datum(rng, 5)], name, None, False)
 
 
@@ -188,3 +197,67 @@ def test_dro_requires_beta_and_rejects_unknown_config(engine, trained):
     with pytest.raises(EngineUserError, match="clip_low"):
         engine.forward_backward(trained, data, "ppo", {"clip_low": 0.5}, False)
     assert all(g is None for g in engine.lora_grads(trained).values())
+
+
+def gspo_data(engine, model_id: str, sequence_log_ratio: float, seed: int) -> DatumArrays:
+    """One datum whose sampler logprobs make the sequence ratio exp(sequence_log_ratio) over its mask.
+
+    Tokens outside the mask get wildly off sampler logprobs: they must not move the ratio."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 49152, size=13)
+    lp = engine.forward_backward(
+        model_id, [DatumArrays(tokens[:-1], {"target_tokens": tokens[1:]})], "cross_entropy", None, True
+    ).loss_fn_outputs[0]["logprobs"]
+    mask = np.ones(12, np.float32)
+    mask[:3] = 0.0
+    deviations = rng.normal(size=12).astype(np.float32)
+    deviations[3:] -= deviations[3:].mean()
+    q = lp - deviations - sequence_log_ratio
+    q[:3] = lp[:3] + 5.0
+    inputs = {
+        "target_tokens": tokens[1:],
+        "logprobs": q.astype(np.float32),
+        "advantages": rng.choice([0.5, 1.0, 2.0], size=12).astype(np.float32),
+        "sequence_ratio_mask": mask,
+    }
+    return DatumArrays(tokens[:-1], inputs)
+
+
+def test_gspo_every_token_carries_the_sequence_ratio(engine, trained):
+    """Unclipped, GSPO-token's value is −s·ΣA and its gradient that of cross_entropy with weights s·A."""
+    datum = gspo_data(engine, trained, sequence_log_ratio=0.1, seed=4)
+    wide = {"clip_low_threshold": 0.0, "clip_high_threshold": 10.0}
+    result = engine.forward_backward(trained, [datum], "gspo", wide, False)
+    gspo_grads = engine.lora_grads(trained)
+    engine.optim_step(trained, AdamSpec(learning_rate=0.0))
+    advantages = datum.loss_fn_inputs["advantages"]
+    s = float(np.exp(0.1))
+    assert result.metrics["loss:sum"] == pytest.approx(-s * float(advantages.sum()), rel=1e-4)
+    np.testing.assert_allclose(result.loss_fn_outputs[0]["elementwise_loss"], -s * advantages, rtol=1e-4)
+    weighted = DatumArrays(datum.tokens, {"target_tokens": datum.loss_fn_inputs["target_tokens"], "weights": s * advantages})
+    engine.forward_backward(trained, [weighted], "cross_entropy", None, False)
+    ce_grads = engine.lora_grads(trained)
+    engine.optim_step(trained, AdamSpec(learning_rate=0.0))
+    for key, grad in ce_grads.items():
+        assert_grad_close(gspo_grads[key], grad, key)
+
+
+def test_gspo_clips_the_whole_sequence(engine, trained):
+    """A sequence ratio above the high bound with positive advantages: value −high·ΣA, no gradient at all."""
+    datum = gspo_data(engine, trained, sequence_log_ratio=0.01, seed=6)  # ratio 1.01 > default 1 + 4e-4
+    result = engine.forward_backward(trained, [datum], "gspo", None, False)
+    grads = engine.lora_grads(trained)
+    engine.optim_step(trained, AdamSpec(learning_rate=0.0))
+    expected = -(1 + 4e-4) * float(datum.loss_fn_inputs["advantages"].sum())
+    assert result.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
+    assert all(float(g.abs().max()) == 0.0 for g in grads.values())
+
+
+def test_gspo_needs_a_non_empty_sequence_ratio_mask(engine, trained):
+    datum = gspo_data(engine, trained, sequence_log_ratio=0.0, seed=8)
+    missing = DatumArrays(datum.tokens, {k: v for k, v in datum.loss_fn_inputs.items() if k != "sequence_ratio_mask"})
+    with pytest.raises(EngineUserError, match="sequence_ratio_mask.*missing"):
+        engine.forward_backward(trained, [missing], "gspo", None, False)
+    empty = DatumArrays(datum.tokens, {**datum.loss_fn_inputs, "sequence_ratio_mask": np.zeros(12, np.float32)})
+    with pytest.raises(EngineUserError, match="marks no token"):
+        engine.forward_backward(trained, [empty], "gspo", None, False)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from localtinker.engine.api import AdamSpec, DatumArrays, EngineUserError, LoraSpec, SampleSpec
-from localtinker.engine.sampler import _Row, choose_tokens, shared_prefix_length
+from localtinker.engine.decode_batch import shared_prefix_length
+from localtinker.engine.sampler import SampleRow, choose_tokens
 from tests.localtinker.engine.reference import TINY, ReferenceModel, sft_datum
 
 
@@ -181,10 +182,10 @@ def test_shared_prefix_length_leaves_every_prompt_a_token():
     assert shared_prefix_length([tuple(range(12)) + (1,), tuple(range(12)) + (2, 3)]) == 12
 
 
-def _row(**kwargs) -> _Row:
+def _row(**kwargs) -> SampleRow:
     params = dict(request=0, max_tokens=1, temperature=1.0, top_k=-1, top_p=1.0, stop_ids=frozenset(), stop_strings=())
     params.update(kwargs)
-    return _Row(generator=torch.Generator(), **params)
+    return SampleRow(generator=torch.Generator(), **params)
 
 
 def test_top_k_and_top_p_restrict_the_candidates_but_not_the_reported_logprob():

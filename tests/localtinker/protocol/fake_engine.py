@@ -32,6 +32,7 @@ from localtinker.engine.api import (
 VOCAB = 32
 EOS = 0
 CONTEXT = 0.5
+FAKE_CONTEXT = 64  # the fake model's context length: max_tokens=None samples up to it
 BASE_MODEL = "fake/bigram"
 
 
@@ -65,6 +66,7 @@ class FakeEngine:
         self.calls: list[tuple] = []
         self.sample_batch_sizes: list[int] = []
         self.threads: set[str] = set()
+        self.expires_at: dict[str, float] = {}  # tinker path -> unix time (TTLs are recorded, never enforced)
 
     def _log(self, *call: object) -> None:
         self.threads.add(threading.current_thread().name)
@@ -163,13 +165,23 @@ class FakeEngine:
         with np.load(path) as data:
             return parts[1], {k: data[k] for k in data.files}
 
-    def save_state(self, model_id: str, name: str) -> str:
+    def save_state(self, model_id: str, name: str, ttl_seconds: int | None = None) -> str:
         self._log("save_state", model_id, name)
-        return self._save(model_id, "weights", name)
+        return self._expire(self._save(model_id, "weights", name), ttl_seconds)
 
-    def save_sampler_weights(self, model_id: str, name: str) -> str:
+    def save_sampler_weights(self, model_id: str, name: str, ttl_seconds: int | None = None) -> str:
         self._log("save_sampler_weights", model_id, name)
-        return self._save(model_id, "sampler_weights", name)
+        return self._expire(self._save(model_id, "sampler_weights", name), ttl_seconds)
+
+    def set_checkpoint_ttl(self, tinker_path: str, ttl_seconds: int | None) -> None:
+        self._log("set_checkpoint_ttl", tinker_path, ttl_seconds)
+        self._expire(tinker_path, ttl_seconds)
+
+    def _expire(self, tinker_path: str, ttl_seconds: int | None) -> str:
+        self.expires_at.pop(tinker_path, None)
+        if ttl_seconds is not None:
+            self.expires_at[tinker_path] = time.time() + ttl_seconds
+        return tinker_path
 
     def load_state(self, model_id: str, path: str, with_optimizer: bool, base_model: str | None) -> ModelInfo:
         self._log("load_state", model_id, path, with_optimizer)
@@ -219,7 +231,7 @@ class FakeEngine:
         sequences = []
         for _ in range(spec.num_samples):
             last, tokens, logprobs, reason = spec.prompt_tokens[-1], [], [], "length"
-            for _ in range(spec.max_tokens):
+            for _ in range(FAKE_CONTEXT - len(spec.prompt_tokens) if spec.max_tokens is None else spec.max_tokens):
                 logp = _log_softmax((bias + CONTEXT * np.eye(VOCAB)[last]) / max(spec.temperature, 1e-6))
                 token = int(rng.choice(VOCAB, p=np.exp(logp)))
                 tokens.append(token)
@@ -242,7 +254,10 @@ class FakeEngine:
             run, kind, name = unquote(path.parent.parent.name), path.parent.name, path.stem
             if run_id is None or run == run_id:
                 stat = path.stat()
-                infos.append(CheckpointInfo(f"tinker://{run}/{kind}/{name}", run, kind, name, stat.st_mtime, stat.st_size))
+                path_of = f"tinker://{run}/{kind}/{name}"
+                infos.append(
+                    CheckpointInfo(path_of, run, kind, name, stat.st_mtime, stat.st_size, self.expires_at.get(path_of))
+                )
         return infos
 
     def delete_checkpoint(self, tinker_path: str) -> None:

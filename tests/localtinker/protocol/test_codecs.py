@@ -109,10 +109,44 @@ def test_bad_adam_params_name_every_problem() -> None:
     with pytest.raises(ProtocolError) as info:
         json_codec.parse_adam({"adam_params": {"learning_rate": -1.0, "beta1": 1.5, "eps": math.inf}})
     assert info.value.status == 400
-    for problem in ("learning_rate=-1.0 must be >= 0", "beta1=1.5 must be in [0, 1)", "eps=inf is not finite"):
+    for problem in (
+        "AdamParams.learning_rate must be finite and >= 0, got -1.0",
+        "AdamParams.beta1 must be finite and in [0, 1), got 1.5",
+        "AdamParams.eps must be finite and > 0",
+    ):
         assert problem in info.value.message
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [{"eps": 0.0}, {"eps": -1e-8}, {"beta2": 1.0}, {"weight_decay": -0.1}, {"grad_clip_norm": math.nan}, {"learning_rate": math.inf}],
+)
+def test_protocol_and_engine_reject_the_same_adam_params(bad) -> None:
+    """One rule set: the protocol's 400 and the engine's error carry the same problems."""
+    from localtinker.engine.api import AdamSpec, EngineUserError
+    from localtinker.engine.optimizer import validate_adam
+
+    with pytest.raises(ProtocolError) as protocol_error:
+        json_codec.parse_adam({"adam_params": bad})
+    with pytest.raises(EngineUserError) as engine_error:
+        validate_adam(AdamSpec(**bad))
+    assert protocol_error.value.status == 400
+    (name,) = bad
+    assert f"AdamParams.{name} must be" in protocol_error.value.message
+    assert protocol_error.value.message.removeprefix("optim_step: bad AdamParams: ") == str(engine_error.value).rstrip(".")
+
+
+def test_max_tokens_defaults_to_no_limit() -> None:
+    """The SDK's SamplingParams.max_tokens defaults to None: the engine then samples to the context end."""
+    body = {"prompt": {"chunks": [{"tokens": [1, 2], "type": "encoded_text"}]}, "sampling_params": {"max_tokens": None}}
+    assert json_codec.parse_sample_spec(body)[0].max_tokens is None
+    body["sampling_params"] = {}
+    assert json_codec.parse_sample_spec(body)[0].max_tokens is None
+    body["sampling_params"] = {"max_tokens": 0}
+    with pytest.raises(ProtocolError, match="max_tokens=0 must be >= 1"):
+        json_codec.parse_sample_spec(body)
+
+
 def test_unsupported_losses_are_refused_naming_the_supported_ones() -> None:
-    with pytest.raises(ProtocolError, match="stable_reinforce.*no published formula.*cross_entropy, importance_sampling, ppo, cispo, dro"):
+    with pytest.raises(ProtocolError, match="stable_reinforce.*no published formula.*cross_entropy, importance_sampling, ppo, cispo, dro, gspo"):
         json_codec.check_loss_fn("stable_reinforce")

@@ -16,8 +16,8 @@ QUESTIONS = ["What is 20 + 22?", "What is 40 + 2?", "What is 7 * 6?"]
 def test_nll_and_bpb_agree_between_training_and_sampling_clients_and_count_answer_bytes(service_client, tmp_path):
     tokenizer = tiny_tokenizer()
     data = arithmetic_data(tokenizer, 4)
-    config = SupervisedConfig(base_model=TINY_MODEL, lora_rank=4, learning_rate=3e-2, batch_size=2, num_epochs=2,
-                              log_dir=str(tmp_path / "run"))
+    config = SupervisedConfig.from_dict(dict(base_model=TINY_MODEL, lora_rank=4, learning_rate=3e-2, batch_size=2,
+                                             num_epochs=2, log_dir=str(tmp_path / "run")))
     result = train_supervised(config, data, service_client)
 
     from_sampler = evaluate_nll(EvalTarget.from_checkpoint(service_client, result.sampler_path, tokenizer), data)
@@ -26,14 +26,14 @@ def test_nll_and_bpb_agree_between_training_and_sampling_clients_and_count_answe
     base = evaluate_nll(EvalTarget.from_base_model(service_client, TINY_MODEL), data, tokenizer)
 
     answers = [row["target_tokens"][-len([w for w in row["weights"] if w > 0]):] for row in arithmetic_rows(tokenizer, 4)]
-    expected_bytes = sum(len(tokenizer.decode(tokens).encode()) for tokens in answers)
+    special = set(tokenizer.all_special_ids)
+    expected_bytes = sum(len(tokenizer.decode([t for t in tokens if t not in special]).encode()) for tokens in answers)
     for measured in (from_sampler, from_trainer, base):
         assert math.isfinite(measured.nll) and measured.nll > 0
         assert measured.num_bytes == expected_bytes
         assert measured.num_tokens == sum(len(tokens) for tokens in answers)
-        assert measured.bits_per_byte == pytest.approx(
-            measured.nll * measured.num_tokens / math.log(2) / measured.num_bytes
-        )
+        content_nll = sum(example.content_nll_sum for example in measured.examples)  # special tokens: no bytes, no bits
+        assert measured.bits_per_byte == pytest.approx(content_nll / math.log(2) / measured.num_bytes)
     assert from_sampler.nll == pytest.approx(from_trainer.nll, rel=1e-3)
     assert from_trainer.nll < base.nll - 1.0  # trained on exactly these examples
 

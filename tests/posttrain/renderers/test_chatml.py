@@ -72,9 +72,13 @@ def test_trained_tokens_are_the_final_answer_and_its_end(smollm2_tokenizer):
     model_input, weights = renderer.build_supervised_example(conversation)
     tokens = model_input.to_ints()
     assert weights.dtype.name == "float32" and len(weights) == len(tokens)
-    assert renderer.decode([t for t, w in zip(tokens, weights) if w]) == "6<|im_end|>\n"
+    assert renderer.decode([t for t, w in zip(tokens, weights) if w]) == "6<|im_end|>"  # up to the stop token
+    assert renderer.decode(tokens).endswith("6<|im_end|>\n")  # the newline stays, untrained
     _, all_weights = renderer.build_supervised_example(conversation, TrainOnWhat.ALL_ASSISTANT_MESSAGES)
-    assert renderer.decode([t for t, w in zip(tokens, all_weights) if w]) == "4<|im_end|>\n6<|im_end|>\n"
+    assert renderer.decode([t for t, w in zip(tokens, all_weights) if w]) == "4<|im_end|>6<|im_end|>"
+    _, every_weight = renderer.build_supervised_example(conversation, TrainOnWhat.ALL_TOKENS)
+    assert every_weight.min() == 1.0
+
 
 
 def test_special_token_text_in_content_stays_text(smollm2_tokenizer):

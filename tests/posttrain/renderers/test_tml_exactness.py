@@ -19,6 +19,24 @@ CASES = {
 CONVERSATIONS = 24
 
 
+def _cookbook_form(name: str, conversation: list[dict]) -> list[dict]:
+    """The conversation as tml-renderers 0.2.1 must see it to render what tinker-cookbook 0.6.1 renders.
+
+    One known difference: for an answer right after a user message with text but no reasoning,
+    cookbook 0.6.1's DeepSeekV3ThinkingRenderer closes the prefilled `<think>` (`<think></think>answer`)
+    while tml-renderers 0.2.1 leaves it open (`<think>answer`). Giving that answer an empty reasoning
+    part makes tml-renderers write the cookbook's tokens, so everything else is still compared to it."""
+    if name != "deepseekv3_thinking":
+        return conversation
+    shown = []
+    for index, message in enumerate(conversation):
+        after_user = index > 0 and conversation[index - 1]["role"] == "user"
+        if message["role"] == "assistant" and after_user and isinstance(message["content"], str) and message["content"]:
+            message = {**message, "content": [{"type": "thinking", "thinking": ""}, {"type": "text", "text": message["content"]}]}
+        shown.append(message)
+    return shown
+
+
 def _examples(renderer, conversation, mode):
     """The examples as plain lists, or "refused" when the renderer rejects the conversation."""
     try:
@@ -36,14 +54,16 @@ def test_identical_to_tml_renderers(name, request, tml_renderer):
     compared = {"examples": 0, "prompts": 0, "tool_calls": 0, "trained_tokens": 0, "refused": 0}
     for index, conversation in enumerate(corpus(seed=11, size=CONVERSATIONS, **options)):
         model_input, weights = ours.build_supervised_example(conversation, TrainOnWhat.LAST_ASSISTANT_MESSAGE)
-        expected_input, expected_weights = theirs.build_supervised_example(conversation, TrainOnWhat.LAST_ASSISTANT_MESSAGE)
+        expected_input, expected_weights = theirs.build_supervised_example(
+            _cookbook_form(name, conversation), TrainOnWhat.LAST_ASSISTANT_MESSAGE
+        )
         assert model_input.to_ints() == expected_input.to_ints(), f"{name} conversation {index}"
         assert weights.tolist() == expected_weights.tolist(), f"{name} conversation {index} weights"
         compared["examples"] += 1
         compared["trained_tokens"] += int(weights.sum())
         compared["tool_calls"] += any("tool_calls" in m for m in conversation)
         for mode in (TrainOnWhat.LAST_ASSISTANT_TURN, TrainOnWhat.ALL_ASSISTANT_MESSAGES):
-            expected = _examples(theirs, conversation, mode)
+            expected = _examples(theirs, _cookbook_form(name, conversation), mode)
             assert _examples(ours, conversation, mode) == expected, f"{name} conversation {index} {mode.value}"
             compared["refused"] += expected == "refused"
         for end, message in enumerate(conversation):
@@ -121,3 +141,17 @@ def test_deepseek_formats(deepseek_tokenizer):
     assert thinking.decode(thinking.build_generation_prompt(conversation[:2]).to_ints()).endswith("<｜Assistant｜><think>")
     with pytest.raises(RendererError, match="system"):
         plain.build_supervised_example(conversation[1:2] + conversation[:1] + [{"role": "assistant", "content": "x"}])
+
+
+def test_deepseek_thinking_closes_the_think_block_of_an_answer_without_reasoning(deepseek_tokenizer):
+    """tinker-cookbook 0.6.1's DeepSeekV3ThinkingRenderer writes `<think></think>` before a final answer
+    that has no reasoning; the `<think>` is the generation prompt's prefill, so only `</think>` onward trains."""
+    renderer = get_renderer("deepseekv3_thinking", deepseek_tokenizer)
+    conversation = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    model_input, weights = renderer.build_supervised_example(conversation)
+    tokens = model_input.to_ints()
+    assert renderer.decode(tokens) == "<｜begin▁of▁sentence｜><｜User｜>Q<｜Assistant｜><think></think>A<｜end▁of▁sentence｜>"
+    assert renderer.decode([t for t, w in zip(tokens, weights) if w]) == "</think>A<｜end▁of▁sentence｜>"
+    prompt = renderer.build_generation_prompt(conversation[:1]).to_ints()
+    assert tokens[: len(prompt)] == prompt
+    assert renderer.parse_response(tokens[len(prompt) :])[0] == {"role": "assistant", "content": [{"type": "thinking", "thinking": ""}, {"type": "text", "text": "A"}]}

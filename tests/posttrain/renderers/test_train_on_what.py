@@ -17,12 +17,12 @@ CONVERSATION = [
     {"role": "assistant", "content": "A2"},
     {"role": "assistant", "content": "A3"},
 ]
-EXPECTED_TRAINED_TEXT = {
-    TrainOnWhat.LAST_ASSISTANT_MESSAGE: "A3<|im_end|>\n",
-    TrainOnWhat.LAST_ASSISTANT_TURN: "A2<|im_end|>\nA3<|im_end|>\n",
-    TrainOnWhat.ALL_ASSISTANT_MESSAGES: "A1<|im_end|>\nA2<|im_end|>\nA3<|im_end|>\n",
-    TrainOnWhat.ALL_MESSAGES: "S<|im_end|>\nU1<|im_end|>\nA1<|im_end|>\nU2<|im_end|>\nA2<|im_end|>\nA3<|im_end|>\n",
-    TrainOnWhat.ALL_USER_AND_SYSTEM_MESSAGES: "S<|im_end|>\nU1<|im_end|>\nU2<|im_end|>\n",
+EXPECTED_TRAINED_TEXT = {  # each message up to its stop token; the newline after <|im_end|> is never trained
+    TrainOnWhat.LAST_ASSISTANT_MESSAGE: "A3<|im_end|>",
+    TrainOnWhat.LAST_ASSISTANT_TURN: "A2<|im_end|>A3<|im_end|>",
+    TrainOnWhat.ALL_ASSISTANT_MESSAGES: "A1<|im_end|>A2<|im_end|>A3<|im_end|>",
+    TrainOnWhat.ALL_MESSAGES: "S<|im_end|>U1<|im_end|>A1<|im_end|>U2<|im_end|>A2<|im_end|>A3<|im_end|>",
+    TrainOnWhat.ALL_USER_AND_SYSTEM_MESSAGES: "S<|im_end|>U1<|im_end|>U2<|im_end|>",
 }
 
 
@@ -46,7 +46,7 @@ def test_all_tokens_trains_headers_too(smollm2_tokenizer):
 def test_customized_follows_each_flag(smollm2_tokenizer):
     renderer = get_renderer("chatml", smollm2_tokenizer)
     flagged = [dict(message, trainable=message["content"] in ("U2", "A1")) for message in CONVERSATION]
-    assert _trained_text(renderer, flagged, TrainOnWhat.CUSTOMIZED) == "A1<|im_end|>\nU2<|im_end|>\n"
+    assert _trained_text(renderer, flagged, TrainOnWhat.CUSTOMIZED) == "A1<|im_end|>U2<|im_end|>"
     with pytest.raises(RendererError, match="message 0 .* no 'trainable' flag"):
         renderer.build_supervised_example(CONVERSATION, TrainOnWhat.CUSTOMIZED)
     with pytest.raises(RendererError, match="has a 'trainable' flag but train_on_what is last_assistant_message"):
@@ -55,7 +55,7 @@ def test_customized_follows_each_flag(smollm2_tokenizer):
 
 def test_string_modes_and_unknown_mode(smollm2_tokenizer):
     renderer = get_renderer("chatml", smollm2_tokenizer)
-    assert _trained_text(renderer, CONVERSATION, "last_assistant_message") == "A3<|im_end|>\n"
+    assert _trained_text(renderer, CONVERSATION, "last_assistant_message") == "A3<|im_end|>"
     with pytest.raises(ValueError, match="everything"):
         renderer.build_supervised_example(CONVERSATION, "everything")
 

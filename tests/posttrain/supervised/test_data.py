@@ -74,8 +74,14 @@ def test_loss_reductions():
     assert [datum_weights(d).sum() for d in apply_loss_reduction(batch, "example_mean")] == pytest.approx([1.0, 1.0])
     token_mean = apply_loss_reduction(batch, "token_mean")
     assert datum_weights(token_mean[1]).tolist() == pytest.approx([0.0, 0.25, 0.25, 0.25])
-    with pytest.raises(ValueError, match="unknown loss_reduction"):
-        apply_loss_reduction(batch, "mean")
+    assert [datum_weights(d).tolist() for d in apply_loss_reduction(batch, "mean")] == [
+        datum_weights(d).tolist() for d in apply_loss_reduction(batch, "example_mean")
+    ]  # the cookbook's name and the explicit one are the same reduction
+    assert [datum_weights(d).tolist() for d in apply_loss_reduction(batch)] == [
+        datum_weights(d).tolist() for d in apply_loss_reduction(batch, "mean")
+    ]
+    with pytest.raises(ValueError, match="unknown loss reduction 'median'"):
+        apply_loss_reduction(batch, "median")
 
 
 def test_datum_from_tokens_rejects_mismatched_lengths():

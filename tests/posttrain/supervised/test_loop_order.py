@@ -76,7 +76,7 @@ def _dataset():
 def _config(tmp_path, **overrides):
     values = dict(base_model="m", learning_rate=1.0, lr_schedule="linear", batch_size=2, num_epochs=2,
                   save_every=3, log_dir=str(tmp_path / "run"))
-    return SupervisedConfig(**{**values, **overrides})
+    return SupervisedConfig.from_dict({**values, **overrides})
 
 
 def test_next_step_is_submitted_before_previous_results_are_awaited(tmp_path):
@@ -102,7 +102,7 @@ def test_crash_then_resume_trains_every_batch_once_and_logs_every_step_once(tmp_
     crashing = _RecordingServiceClient(crash_at_step=5)
     with pytest.raises(_Crash):
         train_supervised(config, _dataset(), crashing, metrics_loggers=[JsonlMetricsLogger(metrics_path)])
-    assert [r.batch for r in read_checkpoints(config.log_dir)] == [3]
+    assert [r.batch for r in read_checkpoints(config.training.log_dir)] == [3]
     assert [row["step"] for row in read_metrics(metrics_path)] == [0, 1, 2]  # step 3, 4 were never committed
 
     resumed = _RecordingServiceClient()
@@ -111,7 +111,7 @@ def test_crash_then_resume_trains_every_batch_once_and_logs_every_step_once(tmp_
     trained_first = [event[2] for event in crashing.events if event[0] == "fb"][:3]
     trained_after = [event[2] for event in resumed.events if event[0] == "fb"]
     assert trained_first + trained_after == expected_batches
-    assert [r.batch for r in read_checkpoints(config.log_dir)] == [3, 6, 8]
+    assert [r.batch for r in read_checkpoints(config.training.log_dir)] == [3, 6, 8]
     assert result.final_checkpoint.final and result.start_step == 3
     assert [row["step"] for row in read_metrics(metrics_path)] == list(range(8))
 

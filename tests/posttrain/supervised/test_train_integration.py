@@ -18,10 +18,10 @@ def tokenizer():
 
 def test_loss_falls_on_a_repeated_batch_with_checkpoints_evals_and_metrics(service_client, tokenizer, tmp_path):
     data = arithmetic_data(tokenizer, 4)
-    config = SupervisedConfig(
+    config = SupervisedConfig.from_dict(dict(
         base_model=TINY_MODEL, lora_rank=8, learning_rate=3e-2, lr_schedule="linear", batch_size=2,
         num_epochs=4, save_every=3, eval_every=4, log_dir=str(tmp_path / "run"), seed=1,
-    )
+    ))
     seen = []
     metrics_path = tmp_path / "run" / "metrics.jsonl"
     result = train_supervised(
@@ -33,7 +33,7 @@ def test_loss_falls_on_a_repeated_batch_with_checkpoints_evals_and_metrics(servi
 
     assert result.total_steps == 8 and result.start_step == 0
     assert [record.batch for record in result.checkpoints] == [3, 6, 8]
-    assert seen == result.new_checkpoints == read_checkpoints(config.log_dir)
+    assert seen == result.new_checkpoints == read_checkpoints(config.training.log_dir)
     assert [record.final for record in result.checkpoints] == [False, False, True]
     for record in result.checkpoints:
         assert record.state_path.startswith("tinker://") and record.state_path.endswith(f"/weights/{record.name}")

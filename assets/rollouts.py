@@ -1,0 +1,196 @@
+"""``rollout_batches``: every sample of the latest RL training run, one parquet row each.
+
+The RL recipe writes one row per sample to ``<log_dir>/rollouts.jsonl``; the training core commits them
+with the checkpoint that covers their step and drops rows of steps a resumed run redoes, so the file
+holds each step exactly once. This asset reads the file of the latest ``rl_checkpoint``
+materialization (its ``log_dir`` metadata) and adds where each row came from: the training run and
+the ``tinker://`` sampler weights that produced it (sample from them to reproduce or inspect a
+completion). Metadata: reward mean/std per step, a readable sample of groups, and a reward/accuracy
+curve (PNG, inline and as an artifact of the training MLflow run).
+"""
+
+import base64
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pyarrow as pa
+
+from assets.checkpoint_manifest import read_manifest
+from assets.rl import ROLLOUTS_FILE
+from assets.training import TRAINING_GROUP
+from assets.upstream import latest_version
+from posttrain.training.rows import JsonlRowSink
+from resources.mlflow import MlflowResource
+from resources.state import state_subdir
+
+TRAINING_ASSET = "rl_checkpoint"
+CURVE_ARTIFACT_DIR = "rollouts"
+SAMPLE_GROUPS = 3  # groups shown in the metadata preview
+PREVIEW_CHARS = 200
+
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        ("training_run_id", pa.string()),
+        ("step", pa.int64()),
+        ("group", pa.string()),
+        ("sample", pa.int64()),
+        ("tags", pa.list_(pa.string())),
+        ("prompt", pa.string()),
+        ("prompt_tokens", pa.list_(pa.int64())),
+        ("completion", pa.string()),
+        ("completion_tokens", pa.list_(pa.int64())),
+        ("sampler_logprobs", pa.list_(pa.float64())),
+        ("reward", pa.float64()),
+        ("advantage", pa.float64()),
+        ("trained", pa.bool_()),
+        ("num_turns", pa.int64()),
+        ("correct", pa.float64()),
+        ("sampler_step", pa.int64()),
+        ("sampler_path", pa.string()),
+        ("mlflow_run_id", pa.string()),
+    ]
+)
+
+
+def rollout_table(rows: list[dict[str, Any]], training_run_id: str, mlflow_run_id: str) -> pa.Table:
+    """Rows as a table with :data:`ROLLOUT_SCHEMA`, plus any env-specific text columns (e.g. sandbox status)."""
+    known = set(ROLLOUT_SCHEMA.names)
+    extra = sorted({key for row in rows for key in row} - known)
+    schema = pa.schema([*ROLLOUT_SCHEMA, *(pa.field(name, pa.string()) for name in extra)])
+    records = [
+        {**{name: row.get(name) for name in known}, **{name: _text(row.get(name)) for name in extra},
+         "training_run_id": training_run_id, "mlflow_run_id": mlflow_run_id}
+        for row in sorted(rows, key=lambda r: (int(r["step"]), _group_order(r["group"]), int(r["sample"])))
+    ]
+    return pa.Table.from_pylist(records, schema=schema)
+
+
+def step_summary(table: pa.Table) -> list[dict[str, float]]:
+    """Per step: sample count, reward mean/std, accuracy (None when the env grades no correctness)."""
+    by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for row in table.select(["step", "reward", "correct"]).to_pylist():
+        by_step[row["step"]].append(row)
+    summary = []
+    for step in sorted(by_step):
+        rewards = [row["reward"] for row in by_step[step]]
+        graded = [row["correct"] for row in by_step[step] if row["correct"] is not None]
+        summary.append(
+            {
+                "step": step,
+                "samples": len(rewards),
+                "reward_mean": statistics.fmean(rewards),
+                "reward_std": statistics.pstdev(rewards),
+                "accuracy": statistics.fmean(graded) if graded else None,
+            }
+        )
+    return summary
+
+
+def summary_markdown(summary: list[dict[str, Any]]) -> str:
+    lines = ["| step | samples | reward mean | reward std | accuracy |", "|---:|---:|---:|---:|---:|"]
+    for entry in summary:
+        accuracy = "–" if entry["accuracy"] is None else f"{entry['accuracy']:.3f}"
+        lines.append(f"| {entry['step']} | {entry['samples']} | {entry['reward_mean']:.4f} | {entry['reward_std']:.4f} | {accuracy} |")
+    return "\n".join(lines)
+
+
+def groups_markdown(table: pa.Table, limit: int = SAMPLE_GROUPS) -> str:
+    """The first ``limit`` groups of the last step: prompt once, then each completion with reward and advantage."""
+    rows = table.to_pylist()
+    if not rows:
+        return "no samples"
+    last = max(row["step"] for row in rows)
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        if row["step"] == last:
+            groups[row["group"]].append(row)
+    lines = []
+    for label in sorted(groups, key=_group_order)[:limit]:
+        members = groups[label]
+        lines += [f"**group {label}** (step {last}, sampler `{members[0]['sampler_path']}`)", "", f"> {_short(members[0]['prompt'])}", ""]
+        for row in members:
+            lines.append(f"- reward {row['reward']:+.3f}, advantage {row['advantage']:+.3f}: `{_short(row['completion'])}`")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_curve(summary: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """Reward mean ± std and accuracy per step, as a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    steps = [entry["step"] for entry in summary]
+    means = [entry["reward_mean"] for entry in summary]
+    stds = [entry["reward_std"] for entry in summary]
+    figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
+    axes.plot(steps, means, marker="o", label="reward mean")
+    axes.fill_between(steps, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)], alpha=0.2, label="± std")
+    graded = [(entry["step"], entry["accuracy"]) for entry in summary if entry["accuracy"] is not None]
+    if graded:
+        axes.plot([s for s, _ in graded], [a for _, a in graded], marker="s", label="accuracy")
+    axes.set_xlabel("step")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend(loc="best", fontsize="small")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png")
+    plt.close(figure)
+    return path
+
+
+@dg.asset(
+    group_name=TRAINING_GROUP,
+    kinds={"parquet", "mlflow"},
+    deps=[TRAINING_ASSET],
+    description="Every sample of the latest rl_checkpoint run (prompt, completion, tokens, sampler logprobs, reward, "
+    "advantage, turns) with the tinker:// sampler weights that produced it.",
+)
+def rollout_batches(context: dg.AssetExecutionContext, mlflow: MlflowResource) -> dg.Output[pa.Table]:
+    training = latest_version(context.instance, TRAINING_ASSET)
+    log_dir = Path(str(training.metadata.get("log_dir", "")))
+    rollouts = log_dir / ROLLOUTS_FILE
+    if not rollouts.exists():
+        raise dg.Failure(
+            f"the latest {TRAINING_ASSET} materialization (run {training.run_id}) has no {rollouts}: it was trained under "
+            "another POSTTRAIN_STATE_DIR, or before rollouts were recorded; re-materialize rl_checkpoint"
+        )
+    manifest = read_manifest(str(training.metadata["final_partition"]))
+    table = rollout_table(JsonlRowSink(rollouts).read(), training_run_id=log_dir.name, mlflow_run_id=manifest.mlflow_run_id)
+    summary = step_summary(table)
+    curve = plot_curve(summary, state_subdir("rollout_batches") / f"{log_dir.name}.png", f"RL run {log_dir.name[:8]}: reward per step")
+    mlflow.get_client().log_artifact(manifest.mlflow_run_id, str(curve), CURVE_ARTIFACT_DIR)
+    image = base64.b64encode(curve.read_bytes()).decode()
+    return dg.Output(
+        table,
+        metadata={
+            "dagster/row_count": table.num_rows,
+            "training_run_id": log_dir.name,
+            "final_checkpoint": manifest.partition,
+            "steps": len(summary),
+            "reward_per_step": dg.MetadataValue.md(summary_markdown(summary)),
+            "sample_groups": dg.MetadataValue.md(groups_markdown(table)),
+            "reward_curve": dg.MetadataValue.md(f"![reward curve](data:image/png;base64,{image})"),
+            "reward_curve_path": dg.MetadataValue.path(str(curve)),
+            "mlflow_run": dg.MetadataValue.url(manifest.mlflow_run_url),
+        },
+        data_version=dg.DataVersion(f"{log_dir.name}-{manifest.step}-{table.num_rows}"),
+    )
+
+
+def _group_order(label: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in str(label).split(".") if part.isdigit())
+
+
+def _short(text: str) -> str:
+    flat = " ".join(str(text).split()).replace("`", "'")
+    return flat if len(flat) <= PREVIEW_CHARS else flat[:PREVIEW_CHARS] + "…"
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)

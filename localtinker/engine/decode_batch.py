@@ -1,0 +1,253 @@
+"""The running rows of one set of weights: requests join between decode steps, finished rows leave.
+
+``admit`` prefills each *distinct* prompt of the new requests once (a GRPO group of G samples, or G
+requests with the same prompt, costs one prefill), and a prompt that a row already in the batch holds
+is not prefilled at all: that row's prompt columns are copied. A prefix shared by all the distinct
+prompts of one admission (a system prompt) is prefilled once too. The first token of every new row is
+sampled from its prompt's last logits, then the rows join the running cache (``kv_rows.py``).
+
+``step`` runs one decode step for every row in the batch; rows that finished leave the cache once a
+quarter of the batch has (re-indexing the cache costs a copy), and their requests are returned as
+soon as their last row finishes, so a short request never waits for a long one.
+
+Every row's sampling is independent of its neighbours (own generator, explicit positions, masked
+padding), so a request gets the same tokens and logprobs whether it decodes alone or in a crowd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from localtinker.engine.api import SampledSequence, SampleResult, SampleSpec
+from localtinker.engine.kv_rows import RowCache, concat_rows, select_rows, trim_left
+from localtinker.engine.logprobs import next_token_logits, token_logprobs
+from localtinker.engine.sampler import SampleRow, choose_tokens, record_token, rows_for
+
+MIN_SHARED_PREFIX = 8
+_COMPACT_FRACTION = 0.25
+
+
+@dataclass
+class SamplingStats:
+    """Counters that show the scheduling at work (tests and benchmarks read them)."""
+
+    requests: int = 0
+    prefill_tokens: int = 0  # prompt tokens run through the model (shared prefixes and copies excluded)
+    copied_prompts: int = 0  # requests whose prompt KV was copied from a row already decoding
+    decode_steps: int = 0
+    joined_mid_decode: int = 0  # requests admitted while other rows of the batch were decoding
+
+
+@dataclass(eq=False)
+class _Request:
+    key: Hashable
+    spec: SampleSpec
+    rows: list[SampleRow] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    first_logits: torch.Tensor | None = None  # float32 [vocab] after the last prompt token
+    holder: int | None = None  # row whose cached prompt this request copies; None: prefilled
+    unfinished: int = 0
+
+    def result(self) -> SampleResult:
+        sequences = [SampledSequence(row.tokens, row.logprobs, row.stop_reason or "length") for row in self.rows]
+        return SampleResult(sequences=sequences, prompt_logprobs=self.prompt_logprobs)
+
+
+def shared_prefix_length(prompts: list[tuple[int, ...]]) -> int:
+    """Tokens shared by every prompt (leaving each at least one of its own), or 0 when not worth sharing."""
+    if len(prompts) < 2:
+        return 0
+    limit = min(len(prompt) for prompt in prompts) - 1
+    first = prompts[0]
+    length = 0
+    while length < limit and all(prompt[length] == first[length] for prompt in prompts):
+        length += 1
+    return length if length >= MIN_SHARED_PREFIX else 0
+
+
+@dataclass
+class _Prefill:
+    cache: RowCache
+    mask: torch.Tensor  # [prompts, width]
+    last_logits: torch.Tensor  # [prompts, vocab]
+    prompt_hidden: list[torch.Tensor]  # per prompt: hidden states of every prompt token
+
+
+class DecodeBatch:
+    """Rows decoding together over one model whose adapter the caller has switched on."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: object, eos_token_ids: tuple[int, ...], pad_token_id: int,
+                 stats: SamplingStats | None = None) -> None:
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.pad_token_id = pad_token_id
+        self.stats = stats or SamplingStats()
+        self.rows: list[SampleRow] = []  # in cache order; finished rows stay until the next compaction
+        self.cache = RowCache()
+        self.mask = torch.zeros((0, 0), dtype=torch.long)
+        self.next_tokens = torch.zeros((0,), dtype=torch.long)
+        self.next_positions = torch.zeros((0,), dtype=torch.long)
+
+    @property
+    def live_rows(self) -> int:
+        return sum(row.stop_reason is None for row in self.rows)
+
+    @torch.inference_mode()
+    def admit(self, requests: list[tuple[Hashable, SampleSpec]]) -> list[tuple[Hashable, SampleResult]]:
+        """Adds requests to the batch; returns those already complete (max_tokens 0 or 1, or an instant stop)."""
+        self._compact()
+        joining_mid_decode = bool(self.rows)
+        records = [_Request(key, spec) for key, spec in requests]
+        holders = self._prompt_holders()
+        prompts = list(dict.fromkeys(
+            r.spec.prompt_tokens for r in records if r.spec.prompt_logprobs or r.spec.prompt_tokens not in holders
+        ))
+        prefill = self._prefill(prompts) if prompts else None
+        for record in records:
+            record.rows = rows_for(record, record.spec, self.eos_token_ids)
+            record.unfinished = len(record.rows)
+            if record.spec.prompt_logprobs or record.spec.prompt_tokens not in holders:
+                index = prompts.index(record.spec.prompt_tokens)
+                record.first_logits = prefill.last_logits[index]
+                if record.spec.prompt_logprobs:
+                    record.prompt_logprobs = self._prompt_logprobs(prefill.prompt_hidden[index], record.spec)
+            else:
+                record.holder = holders[record.spec.prompt_tokens]
+                record.first_logits = self.rows[record.holder].request.first_logits
+                self.stats.copied_prompts += 1
+        self.stats.requests += len(records)
+        self.stats.joined_mid_decode += len(records) if joining_mid_decode else 0
+        done = [record for record in records if record.spec.max_tokens == 0]
+        for record in done:
+            for row in record.rows:
+                row.stop_reason = "length"
+        starting = [row for record in records if record.spec.max_tokens > 0 for row in record.rows]
+        if starting:
+            tokens, logprobs = choose_tokens(torch.stack([row.request.first_logits for row in starting]), starting)
+            done += self._record(starting, tokens.tolist(), logprobs.tolist())
+            continuing = [i for i, row in enumerate(starting) if row.stop_reason is None]
+            self._join([starting[i] for i in continuing], tokens[continuing], prompts, prefill)
+        return [(record.key, record.result()) for record in done]
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Hashable, SampleResult]]:
+        """One decode step for every row; returns the requests whose last row just finished."""
+        live = [i for i, row in enumerate(self.rows) if row.stop_reason is None]
+        if not live:
+            return []
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
+        output = self.decoder(
+            input_ids=self.next_tokens[:, None],
+            attention_mask=self.mask,
+            position_ids=self.next_positions[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.stats.decode_steps += 1
+        self.next_positions = self.next_positions + 1
+        live_rows = [self.rows[i] for i in live]
+        logits = next_token_logits(output.last_hidden_state[live, -1], self.lm_head)
+        tokens, logprobs = choose_tokens(logits, live_rows)
+        self.next_tokens[live] = tokens
+        done = self._record(live_rows, tokens.tolist(), logprobs.tolist())
+        if len(self.rows) - self.live_rows >= max(1, int(_COMPACT_FRACTION * len(self.rows))):
+            self._compact()
+        return [(record.key, record.result()) for record in done]
+
+    def _record(self, rows: list[SampleRow], tokens: list[int], logprobs: list[float]) -> list[_Request]:
+        done = []
+        for row, token, logprob in zip(rows, tokens, logprobs):
+            if record_token(row, token, logprob, self.tokenizer):
+                row.request.unfinished -= 1
+                if row.request.unfinished == 0:
+                    row.request.first_logits = None
+                    done.append(row.request)
+        return done
+
+    def _prompt_holders(self) -> dict[tuple[int, ...], int]:
+        """Prompt -> index of a row in the batch whose cache holds that prompt."""
+        holders: dict[tuple[int, ...], int] = {}
+        for index, row in enumerate(self.rows):
+            holders.setdefault(row.request.spec.prompt_tokens, index)
+        return holders
+
+    def _join(self, rows: list[SampleRow], first_tokens: torch.Tensor, prompts, prefill: _Prefill | None) -> None:
+        """Appends the new rows' prompt KV (from the prefill, or copied from a holder row) to the running cache."""
+        if not rows:
+            return
+        parts = [(self.cache, self.mask)] if self.rows else []
+        fresh = [row for row in rows if row.request.holder is None]
+        copied = [row for row in rows if row.request.holder is not None]
+        if fresh:
+            index = torch.tensor([prompts.index(row.request.spec.prompt_tokens) for row in fresh])
+            parts.append(select_rows(prefill.cache, prefill.mask, index))
+        if copied:
+            index = torch.tensor([row.request.holder for row in copied])
+            cache, mask = select_rows(self.cache, self.mask, index)
+            prompt_lengths = torch.tensor([len(row.request.spec.prompt_tokens) for row in copied])
+            parts.append((cache, mask * (mask.cumsum(dim=1) <= prompt_lengths[:, None])))  # the prompt, not its continuation
+        self.cache, self.mask = trim_left(*concat_rows(parts))
+        ordered = fresh + copied
+        by_row = {id(row): token for row, token in zip(rows, first_tokens.tolist())}
+        self.next_tokens = torch.cat([self.next_tokens, torch.tensor([by_row[id(row)] for row in ordered])])
+        lengths = torch.tensor([len(row.request.spec.prompt_tokens) for row in ordered])
+        self.next_positions = torch.cat([self.next_positions, lengths])
+        self.rows += ordered
+
+    def _compact(self) -> None:
+        live = [i for i, row in enumerate(self.rows) if row.stop_reason is None]
+        if len(live) == len(self.rows):
+            return
+        index = torch.tensor(live, dtype=torch.long)
+        self.rows = [self.rows[i] for i in live]
+        if live:
+            self.cache, self.mask = trim_left(*select_rows(self.cache, self.mask, index))
+        else:
+            self.cache, self.mask = RowCache(), self.mask[:0, :0]
+        self.next_tokens, self.next_positions = self.next_tokens[index], self.next_positions[index]
+
+    def _prefill(self, prompts: list[tuple[int, ...]]) -> _Prefill:
+        """Prefills each distinct prompt once; a prefix shared by all of them (a system prompt) once in total."""
+        shared = shared_prefix_length(prompts)
+        cache = RowCache()
+        prefix_hidden = None
+        if shared:
+            output = self.decoder(
+                input_ids=torch.tensor(prompts[0][:shared])[None],
+                position_ids=torch.arange(shared)[None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            prefix_hidden = output.last_hidden_state[0]
+            cache, _ = select_rows(cache, torch.ones((1, shared), dtype=torch.long), torch.zeros(len(prompts), dtype=torch.long))
+        suffixes = [prompt[shared:] for prompt in prompts]
+        width = max(len(suffix) for suffix in suffixes)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        suffix_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for index, suffix in enumerate(suffixes):
+            input_ids[index, width - len(suffix) :] = torch.tensor(suffix, dtype=torch.long)
+            suffix_mask[index, width - len(suffix) :] = 1
+        # Left padding sits between the shared prefix and each suffix; the mask hides it and the explicit
+        # positions keep every real token where it would be without padding.
+        positions = shared + (suffix_mask.cumsum(-1) - 1).clamp(min=0)
+        mask = torch.cat([torch.ones((len(prompts), shared), dtype=torch.long), suffix_mask], dim=1)
+        output = self.decoder(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+        )
+        self.stats.prefill_tokens += shared + sum(len(suffix) for suffix in suffixes)
+        hidden = output.last_hidden_state
+        prompt_hidden = []
+        for index, suffix in enumerate(suffixes):
+            own = hidden[index, width - len(suffix) :]
+            prompt_hidden.append(own if prefix_hidden is None else torch.cat([prefix_hidden, own]))
+        return _Prefill(cache, mask, next_token_logits(hidden[:, -1], self.lm_head), prompt_hidden)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, spec: SampleSpec) -> list[float | None]:
+        targets = torch.tensor(spec.prompt_tokens[1:], dtype=torch.long)
+        temperature = spec.temperature if spec.temperature > 0 else 1.0
+        return [None, *token_logprobs(hidden[:-1], self.lm_head, targets, temperature).tolist()]

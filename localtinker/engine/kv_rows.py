@@ -1,0 +1,105 @@
+"""A KV cache whose rows can be selected, merged and trimmed between decode steps (continuous batching).
+
+Rows are left-aligned by padding: every row's tokens end at the last column, and a 0/1 attention mask
+``[rows, columns]`` hides padding and holes. Explicit position ids keep each real token where it would
+be alone, so padding never changes a result. Merging two row sets left-pads the narrower one; columns
+that no row attends to any more (the prompt of a row that left) are trimmed from the left.
+
+``ColumnBufferLayer`` keeps spare columns after the last one, so a decode step writes its column in
+place; transformers' ``DynamicLayer`` concatenates instead, copying the whole cache at every step.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+SPARE_COLUMNS = 32
+
+
+class ColumnBufferLayer(DynamicLayer):
+    """``keys``/``values`` are views of buffers with spare columns; appends write in place."""
+
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if keys is not None and values is not None:
+            self._adopt(keys, values)
+
+    def _adopt(self, keys: torch.Tensor, values: torch.Tensor, spare: int = SPARE_COLUMNS) -> None:
+        rows, heads, length, dim = keys.shape
+        self._key_buffer = keys.new_empty((rows, heads, length + spare, dim))
+        self._value_buffer = values.new_empty((rows, heads, length + spare, values.shape[-1]))
+        self._key_buffer[:, :, :length] = keys
+        self._value_buffer[:, :, :length] = values
+        self.keys = self._key_buffer[:, :, :length]
+        self.values = self._value_buffer[:, :, :length]
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self._adopt(key_states, value_states)
+            return self.keys, self.values
+        length, new = self.keys.shape[-2], key_states.shape[-2]
+        if length + new > self._key_buffer.shape[-2]:
+            self._adopt(self.keys, self.values, spare=max(new, length // 2, SPARE_COLUMNS))
+        self._key_buffer[:, :, length : length + new] = key_states
+        self._value_buffer[:, :, length : length + new] = value_states
+        self.keys = self._key_buffer[:, :, : length + new]
+        self.values = self._value_buffer[:, :, : length + new]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._adopt(self.keys[indices], self.values[indices])
+
+
+class RowCache(DynamicCache):
+    """A ``DynamicCache`` made of :class:`ColumnBufferLayer` s."""
+
+    def __init__(self, layers: list[ColumnBufferLayer] | None = None) -> None:
+        if layers:
+            Cache.__init__(self, layers=layers)
+        else:
+            Cache.__init__(self, layer_class_to_replicate=ColumnBufferLayer)
+
+    @property
+    def width(self) -> int:
+        return self.layers[0].keys.shape[-2] if self.layers else 0
+
+
+def select_rows(cache: RowCache, mask: torch.Tensor, index: torch.Tensor) -> tuple[RowCache, torch.Tensor]:
+    """The rows ``index`` (repeats allowed: a prompt's cache copied to each of its samples)."""
+    layers = [ColumnBufferLayer(layer.keys[index], layer.values[index]) for layer in cache.layers]
+    return RowCache(layers), mask[index]
+
+
+def concat_rows(parts: list[tuple[RowCache, torch.Tensor]]) -> tuple[RowCache, torch.Tensor]:
+    """Stacks row sets of different widths, left-padding each to the widest (padding is masked out)."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(mask.shape[1] for _, mask in parts)
+    layers = []
+    for layer_index in range(len(parts[0][0].layers)):
+        keys = [_left_pad(cache.layers[layer_index].keys, width) for cache, _ in parts]
+        values = [_left_pad(cache.layers[layer_index].values, width) for cache, _ in parts]
+        layers.append(ColumnBufferLayer(torch.cat(keys), torch.cat(values)))
+    masks = [torch.nn.functional.pad(mask, (width - mask.shape[1], 0)) for _, mask in parts]
+    return RowCache(layers), torch.cat(masks)
+
+
+def trim_left(cache: RowCache, mask: torch.Tensor) -> tuple[RowCache, torch.Tensor]:
+    """Drops leading columns that no row attends to."""
+    used = mask.any(dim=0).nonzero()
+    start = int(used[0]) if len(used) else mask.shape[1]
+    if start == 0:
+        return cache, mask
+    layers = [ColumnBufferLayer(layer.keys[:, :, start:], layer.values[:, :, start:]) for layer in cache.layers]
+    return RowCache(layers), mask[:, start:]
+
+
+def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - tensor.shape[-2]
+    if missing == 0:
+        return tensor
+    return torch.cat([tensor.new_zeros((*tensor.shape[:2], missing, tensor.shape[-1])), tensor], dim=-2)

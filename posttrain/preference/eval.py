@@ -1,0 +1,135 @@
+"""Evaluating preference training: held-out pair accuracy, and a verifier-judged win rate of A over B.
+
+- :class:`PairAccuracyEvaluator` (an ``posttrain.eval.base.Evaluator``): on held-out pairs, does the
+  policy's implicit reward ``β·(lp − ref)`` rank chosen above rejected? It scores the policy with
+  ``posttrain.eval.nll.target_logprobs`` (a training client's ``forward`` mid-run, or
+  ``compute_logprobs`` of a saved checkpoint) and reads the reference sums from a
+  ``REFERENCE_LOGPROBS`` table computed once, before training, for the held-out pairs.
+- :func:`compare_policies`: both policies answer each held-out problem greedily; the task's verifier
+  grades them; per prompt A wins (1) when A is correct and B is not, loses (0) in the reverse case, and
+  ties (½) otherwise. The win rate is the mean, with its standard error ``sd / √n``. The verifier grades
+  each answer alone, so the order of A and B cannot bias it and one pass suffices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from posttrain.eval.accuracy import ChatRenderer, TaskProblem, evaluate_accuracy
+from posttrain.eval.base import EvalTarget
+from posttrain.eval.nll import target_logprobs
+from posttrain.preference.data import Pair
+from posttrain.preference.dpo import dpo_loss
+from posttrain.preference.reference import ReferenceSums
+
+
+class PairAccuracyEvaluator:
+    """``{prefix}pair_accuracy``, ``{prefix}dpo_loss``, ``{prefix}margin`` on held-out pairs."""
+
+    def __init__(self, pairs: Sequence[Pair], reference: pa.Table | Callable[[], pa.Table], beta: float, prefix: str = "eval/"):
+        """``reference``: the table, or a function returning it at the first evaluation (a recipe computes
+        it only when training starts)."""
+        if not pairs:
+            raise ValueError("PairAccuracyEvaluator got no pairs: pass the held-out pairs (pairs_from_table(table, 'heldout'))")
+        self.pairs = list(pairs)
+        self._reference_source = reference
+        self.reference: ReferenceSums | None = None
+        self.beta = beta
+        self.prefix = prefix
+        if isinstance(reference, pa.Table):
+            self._load_reference()
+
+    def _load_reference(self) -> ReferenceSums:
+        if self.reference is None:
+            source = self._reference_source
+            self.reference = ReferenceSums.from_table(source if isinstance(source, pa.Table) else source())
+            self.reference.check_covers([pair.row_id for pair in self.pairs])
+        return self.reference
+
+    def __call__(self, target: EvalTarget) -> dict[str, float]:
+        reference = self._load_reference()
+        data = [datum for pair in self.pairs for datum in (pair.chosen.datum(), pair.rejected.datum())]
+        scored = target_logprobs(target, data)
+        sums = [
+            float(np.dot(logprobs, np.asarray(side.weights, dtype=np.float64)))
+            for logprobs, side in zip(scored, (side for pair in self.pairs for side in (pair.chosen, pair.rejected)))
+        ]
+        chosen_ref, rejected_ref = reference.for_rows([pair.row_id for pair in self.pairs])
+        _, metrics = dpo_loss(
+            torch.tensor(sums[0::2], dtype=torch.float64), torch.tensor(sums[1::2], dtype=torch.float64),
+            torch.tensor(chosen_ref, dtype=torch.float64), torch.tensor(rejected_ref, dtype=torch.float64), self.beta,
+        )
+        return {
+            f"{self.prefix}pair_accuracy": metrics["accuracy"],
+            f"{self.prefix}dpo_loss": metrics["dpo_loss"],
+            f"{self.prefix}margin": metrics["margin"],
+            f"{self.prefix}num_pairs": float(len(self.pairs)),
+        }
+
+
+@dataclass
+class WinRate:
+    win_rate: float  # ties count ½
+    stderr: float
+    wins: int
+    losses: int
+    ties: int
+    accuracy_a: float
+    accuracy_b: float
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def num_prompts(self) -> int:
+        return self.wins + self.losses + self.ties
+
+    def metrics(self, prefix: str = "eval/") -> dict[str, float]:
+        return {
+            f"{prefix}win_rate": self.win_rate,
+            f"{prefix}win_rate_stderr": self.stderr,
+            f"{prefix}wins": float(self.wins),
+            f"{prefix}losses": float(self.losses),
+            f"{prefix}ties": float(self.ties),
+            f"{prefix}accuracy_a": self.accuracy_a,
+            f"{prefix}accuracy_b": self.accuracy_b,
+        }
+
+
+def win_rate_from_outcomes(a_correct: Sequence[bool], b_correct: Sequence[bool]) -> tuple[float, float, list[float]]:
+    """(win rate, its standard error, per-prompt scores 1 / ½ / 0) from paired verdicts."""
+    if len(a_correct) != len(b_correct) or not a_correct:
+        raise ValueError(f"need the same, positive number of verdicts for A and B, got {len(a_correct)} and {len(b_correct)}")
+    scores = [1.0 if a and not b else 0.0 if b and not a else 0.5 for a, b in zip(a_correct, b_correct)]
+    count = len(scores)
+    mean = sum(scores) / count
+    stderr = math.sqrt(sum((s - mean) ** 2 for s in scores) / (count - 1) / count) if count > 1 else 0.0
+    return mean, stderr, scores
+
+
+def compare_policies(
+    target_a: EvalTarget,
+    target_b: EvalTarget,
+    renderer: ChatRenderer,
+    problems: Sequence[TaskProblem],
+    *,
+    max_tokens: int = 64,
+) -> WinRate:
+    """Win rate of A over B on ``problems``, both answering greedily, judged by each problem's verifier."""
+    graded = [evaluate_accuracy(target, renderer, problems, max_tokens=max_tokens, top_k=1) for target in (target_a, target_b)]
+    a_rows, b_rows = graded[0].rows, graded[1].rows
+    rate, stderr, scores = win_rate_from_outcomes([r.correct for r in a_rows], [r.correct for r in b_rows])
+    rows = [
+        {"row_id": a.row_id, "question": a.question, "response_a": a.response, "response_b": b.response,
+         "correct_a": a.correct, "correct_b": b.correct, "score": score}
+        for a, b, score in zip(a_rows, b_rows, scores)
+    ]
+    return WinRate(
+        win_rate=rate, stderr=stderr,
+        wins=sum(s == 1.0 for s in scores), losses=sum(s == 0.0 for s in scores), ties=sum(s == 0.5 for s in scores),
+        accuracy_a=graded[0].accuracy, accuracy_b=graded[1].accuracy, rows=rows,
+    )

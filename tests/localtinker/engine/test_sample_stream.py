@@ -1,0 +1,162 @@
+"""Continuous batching and prompt sharing: same results as sampling alone, with less prefill and no waiting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from localtinker.engine.api import AdamSpec, EngineUserError, LoraSpec, SampleResult, SampleSpec
+from localtinker.engine.sample_stream import SampleStream
+from tests.localtinker.engine.reference import TINY, sft_datum
+
+SYSTEM = tuple(range(400, 412))
+PROMPT_A = SYSTEM + (21, 22, 23, 24)
+PROMPT_B = SYSTEM + (31, 32)
+PROMPT_C = (41, 42, 43, 44, 45, 46, 47)
+
+
+@pytest.fixture(scope="module")
+def samplers(engine):
+    """Two samplers with different weights: ``lora-a`` (a trained adapter) and ``tiny-base`` (no adapter)."""
+    model_id = "stream:train:0"
+    engine.create_model(model_id, TINY, LoraSpec(rank=4, seed=3))
+    rng = np.random.default_rng(1)
+    for _ in range(2):
+        engine.forward_backward(model_id, [sft_datum(rng, 16)], "cross_entropy", None, False)
+        engine.optim_step(model_id, AdamSpec(learning_rate=0.05))
+    engine.create_ephemeral_sampler("lora-a", model_id)
+    engine.create_sampler("tiny-base", TINY, None)
+    return "lora-a", "tiny-base"
+
+
+def spec(prompt, seed, max_tokens=6, **kwargs) -> SampleSpec:
+    return SampleSpec(prompt_tokens=prompt, max_tokens=max_tokens, seed=seed, stop_token_ids=(), **kwargs)
+
+
+def alone(engine, sampler: str, request: SampleSpec) -> SampleResult:
+    return engine.sample_batch([(sampler, request)])[0]
+
+
+def assert_same(result: SampleResult, expected: SampleResult) -> None:
+    assert [s.tokens for s in result.sequences] == [s.tokens for s in expected.sequences]
+    for got, want in zip(result.sequences, expected.sequences):
+        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+        assert got.stop_reason == want.stop_reason
+
+
+def run_to_end(stream: SampleStream) -> dict:
+    results = {}
+    while stream.busy:
+        results.update(stream.step())
+    return results
+
+
+def test_each_distinct_prompt_is_prefilled_once_with_the_results_of_sampling_alone(engine, samplers):
+    lora, _ = samplers
+    requests = {
+        "group": spec(PROMPT_A, seed=1, num_samples=4),
+        "same-prompt-1": spec(PROMPT_A, seed=2),
+        "same-prompt-2": spec(PROMPT_A, seed=3, max_tokens=9),
+        "other-group": spec(PROMPT_B, seed=4, num_samples=3, temperature=0.7),
+        "no-shared-prefix": spec(PROMPT_C, seed=5, top_k=20),
+    }
+    stream = engine.sample_stream()
+    for key, request in requests.items():
+        stream.submit(key, lora, request)
+    results = run_to_end(stream)
+    # three distinct prompts, prefilled once each (no prefix common to all three)
+    assert stream.stats.prefill_tokens == len(PROMPT_A) + len(PROMPT_B) + len(PROMPT_C)
+    for key, request in requests.items():
+        assert_same(results[key], alone(engine, lora, request))
+    assert len({tuple(s.tokens) for s in results["group"].sequences}) == 4  # a group's samples differ
+
+
+def test_a_request_joins_a_running_batch_and_a_short_one_leaves_first(engine, samplers):
+    lora, _ = samplers
+    long, short = spec(PROMPT_C, seed=7, max_tokens=30), spec(PROMPT_B, seed=8, max_tokens=3)
+    stream = engine.sample_stream()
+    stream.submit("long", lora, long)
+    completed = []
+    for _ in range(4):
+        completed += stream.step()
+    assert completed == [] and stream.stats.decode_steps == 4
+    stream.submit("short", lora, short)
+    order, short_done_at = [], None
+    while stream.busy:
+        order += [key for key, _ in stream.step()]
+        if "short" in order and short_done_at is None:
+            short_done_at = stream.stats.decode_steps
+    # admission samples the short request's first token, two decode steps the other two
+    assert order == ["short", "long"] and short_done_at == 4 + 2
+    assert stream.stats.joined_mid_decode == 1
+
+
+def test_a_prompt_already_decoding_is_copied_not_prefilled_again(engine, samplers):
+    lora, _ = samplers
+    first, second = spec(PROMPT_A, seed=11, max_tokens=12), spec(PROMPT_A, seed=12, max_tokens=4, num_samples=2)
+    stream = engine.sample_stream()
+    stream.submit("first", lora, first)
+    results = dict(stream.step() + stream.step())
+    prefilled = stream.stats.prefill_tokens
+    stream.submit("second", lora, second)
+    results.update(run_to_end(stream))
+    assert stream.stats.prefill_tokens == prefilled and stream.stats.copied_prompts == 1
+    assert_same(results["second"], alone(engine, lora, second))
+    assert_same(results["first"], alone(engine, lora, first))
+
+
+def test_requests_mid_decode_match_sampling_alone_across_weights(engine, samplers):
+    """Rows joining, finishing and compacting around a request never change its tokens or logprobs."""
+    lora, base = samplers
+    stream = engine.sample_stream()
+    plan = [  # (step to submit at, key, sampler, request)
+        (0, "a", lora, spec(PROMPT_C, seed=21, max_tokens=20)),
+        (0, "b", base, spec(PROMPT_C, seed=21, max_tokens=20)),
+        (2, "c", lora, spec(PROMPT_A, seed=22, max_tokens=3, num_samples=3)),
+        (3, "d", lora, spec(tuple(range(600, 640)), seed=23, max_tokens=10, prompt_logprobs=True)),
+        (5, "e", base, spec(PROMPT_B, seed=24, max_tokens=1)),
+        (6, "f", lora, spec(PROMPT_A, seed=25, max_tokens=8, top_p=0.8)),
+    ]
+    results = {}
+    for step in range(40):
+        for _, key, sampler, request in [p for p in plan if p[0] == step]:
+            stream.submit(key, sampler, request)
+        results.update(stream.step())
+    assert not stream.busy and set(results) == set("abcdef")
+    for _, key, sampler, request in plan:
+        expected = alone(engine, sampler, request)
+        assert_same(results[key], expected)
+        if request.prompt_logprobs:
+            np.testing.assert_allclose(results[key].prompt_logprobs[1:], expected.prompt_logprobs[1:], atol=1e-5)
+    assert results["a"].sequences[0].logprobs != results["b"].sequences[0].logprobs  # different weights
+
+
+def test_the_kv_budget_admits_samplers_round_robin(engine, samplers):
+    lora, base = samplers
+    stream = SampleStream(engine, budget_tokens=len(PROMPT_C) + 4)  # one request decodes at a time
+    for index in range(3):
+        stream.submit(f"flood-{index}", lora, spec(PROMPT_C, seed=index, max_tokens=4))
+    stream.submit("other-client", base, spec(PROMPT_C, seed=9, max_tokens=4))
+    finished = run_to_end_ordered(stream)
+    assert [key for _, key in finished[:2]] == ["flood-0", "other-client"]
+    assert [step for step, _ in finished] == [3, 6, 9, 12]  # one at a time; 4 tokens take 3 steps + admission
+
+
+def run_to_end_ordered(stream: SampleStream) -> list[tuple[int, str]]:
+    finished, step = [], 0
+    while stream.busy:
+        step += 1
+        finished += [(step, key) for key, _ in stream.step()]
+    return finished
+
+
+def test_a_bad_request_fails_alone_at_the_next_step(engine, samplers):
+    lora, _ = samplers
+    stream = engine.sample_stream()
+    stream.submit("bad", lora, SampleSpec(prompt_tokens=(1, 10**6), max_tokens=2))
+    stream.submit("unknown", "no-such-sampler", spec(PROMPT_C, seed=1))
+    stream.submit("good", lora, spec(PROMPT_C, seed=1, max_tokens=2))
+    results = run_to_end(stream)
+    assert isinstance(results["bad"], EngineUserError) and "outside the vocabulary" in str(results["bad"])
+    assert isinstance(results["unknown"], EngineUserError)
+    assert len(results["good"].sequences[0].tokens) == 2
