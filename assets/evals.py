@@ -40,7 +40,7 @@ from assets.registration import checkpoints_asset_key
 from assets.training import TrainingSpec
 from posttrain.eval.base import EvalTarget, Evaluator, run_evaluators
 from posttrain.eval.report import comparison_rows, markdown, report_table, worse
-from resources.mlflow import MlflowResource
+from resources.mlflow import MlflowResource, metric_name
 from resources.models import load_tokenizer
 from resources.state import state_subdir
 from resources.tinker import TinkerResource
@@ -244,6 +244,6 @@ def _annotate_training(client, manifest: CheckpointManifest, scores: dict[str, f
 
     now = int(time.time() * 1000)
     finite = {k: v for k, v in scores.items() if isinstance(v, (int, float)) and not math.isnan(v)}
-    client.log_batch(manifest.mlflow_run_id, metrics=[Metric(f"checkpoint_eval/{k}", v, now, manifest.step) for k, v in finite.items()])
+    client.log_batch(manifest.mlflow_run_id, metrics=[Metric(metric_name(f"checkpoint_eval/{k}"), v, now, manifest.step) for k, v in finite.items()])
     for name, value in finite.items():
-        client.set_model_version_tag(manifest.registered_model, manifest.model_version, f"eval.{name}", f"{value:.6g}")
+        client.set_model_version_tag(manifest.registered_model, manifest.model_version, metric_name(f"eval.{name}"), f"{value:.6g}")

@@ -10,7 +10,10 @@ Measured here (SmolLM2, bf16, shared 2-core machine): 16 steps run concurrently:
 ratio 1.00; 8 steps concurrently: 1.22 (fixed cost ~10-20 s of imports, sqlite and MLflow set-up); 12 steps
 sequentially under drifting load: 1.87 (the Dagster side ran while the machine's load rose from 2 to 5+).
 
-    python bench/bench_dagster_overhead.py [--model HuggingFaceTB/SmolLM2-135M-Instruct] [--steps 16] [--rounds 1] [--sequential]
+The sides run one after the other (``--concurrent`` runs them at once); the Dagster side runs the job
+with the executor `make ui` uses (the job's default multiprocess executor, via `dagster job execute`).
+
+    python bench/bench_dagster_overhead.py [--model HuggingFaceTB/SmolLM2-135M-Instruct] [--steps 16] [--rounds 1] [--concurrent]
 """
 
 from __future__ import annotations
@@ -68,13 +71,13 @@ def run_plain(config: dict, model: str, state: Path) -> None:
 
 
 def run_dagster(config: dict, model: str, state: Path) -> None:
-    import dagster as dg
+    """The job as `make ui` runs it: the instance's dagster.yaml, and the job's default executor (the
+    multiprocess executor: each step in its own process), through `dagster job execute`."""
+    import yaml
 
-    from pipelines.definitions import build_definitions, default_resources
     from resources.state import ensure_dagster_home
 
-    home = ensure_dagster_home()
-    defs = build_definitions(default_resources())
+    ensure_dagster_home()
     run_config = {
         "ops": {
             "chat_dataset": {"config": config["chat"]},
@@ -82,9 +85,11 @@ def run_dagster(config: dict, model: str, state: Path) -> None:
             "sft_checkpoint": {"config": config["train"]},
         }
     }
-    with dg.DagsterInstance.from_config(str(home)) as instance:
-        result = defs.resolve_job_def("sft_chain").execute_in_process(instance=instance, run_config=run_config)
-        assert result.success
+    config_file = state / "run_config.yaml"
+    config_file.write_text(yaml.safe_dump(run_config))
+    dagster = Path(sys.executable).parent / "dagster"
+    command = [str(dagster), "job", "execute", "-m", "pipelines.definitions", "-j", "sft_chain", "-c", str(config_file)]
+    subprocess.run(command, cwd=REPO, check=True)
 
 
 def timed_subprocess(mode: str, args: argparse.Namespace) -> float:
@@ -114,8 +119,8 @@ def main() -> int:
     parser.add_argument("--save-every", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument(
-        "--sequential", dest="concurrent", action="store_false",
-        help="run the sides one after the other (idle machines); default: both at once, so a shared machine's load hits both alike",
+        "--concurrent", action="store_true",
+        help="run both sides at once (a busy shared machine's load then hits both alike); default: one after the other",
     )
     parser.add_argument("--child", choices=("plain", "dagster"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -131,7 +136,7 @@ def main() -> int:
                 futures = [pool.submit(timed_subprocess, mode, args) for mode in ("plain", "dagster")]
                 plain.append(futures[0].result())
                 dagster.append(futures[1].result())
-        else:  # interleaved rounds on an otherwise idle machine
+        else:  # one after the other: neither side competes with the other for the CPU
             plain.append(timed_subprocess("plain", args))
             dagster.append(timed_subprocess("dagster", args))
     ratio = min(dagster) / min(plain)

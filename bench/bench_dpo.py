@@ -133,7 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch threads: {torch.get_num_threads()}, engine dtype: {args.dtype}")
+    print(f"torch threads: {torch.get_num_threads()}, engine dtype: {args.dtype}", flush=True)
     batches = [make_pairs(seed) for seed in range(args.steps + 1)]
     with tempfile.TemporaryDirectory() as storage, start_server(storage, dtype=args.dtype) as server:
         service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-local")

@@ -1,10 +1,12 @@
-"""Sampling throughput: localtinker's engine (bfloat16) vs ``model.generate`` under bf16 autocast.
+"""Sampling throughput: localtinker's engine vs ``model.generate`` (float32 and bf16 autocast).
 
 Workload: SmolLM2-135M-Instruct, 32 distinct chat prompts (different lengths), 16 new tokens each,
-temperature 1, no early stop (stop ids disabled) so both produce exactly 32 × 16 tokens. Baseline:
-fp32 model, ``torch.autocast(bfloat16)``, one batched left-padded ``generate(do_sample=True)`` call;
-ours: one ``sample_batch`` with the 32 requests. Both alternate in one process. Prints new tokens/s
-and ``ratio = ours/baseline``; also the bf16 sampler-vs-trainer logprob agreement on the samples.
+temperature 1, no early stop (stop ids disabled) so every side produces exactly 32 × 16 tokens.
+Baselines: one batched left-padded ``generate(do_sample=True)`` call on the fp32 model, plain and
+under ``torch.autocast(bfloat16)``; ours: one ``sample_batch`` with the 32 requests, engine float32
+(the default) and bfloat16. All alternate in one process. Prints new tokens/s, achieved GFLOP/s of
+the useful work (bench/measure.py) against a torch.mm peak measured in the run, and
+``ratio = ours float32 / the faster baseline`` (goal >= 1.5); also the sampler-vs-trainer logprob gap.
 
 Usage: ``python bench/bench_engine_sample.py [--repeats 2]``
 """
@@ -25,6 +27,7 @@ import torch
 from localtinker.engine.api import DatumArrays, LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.packaged import SMOLLM2_NAME, smollm2_hf_dir
+from measure import FlopModel, mm_peak_gflops, report
 
 PROMPTS, NEW_TOKENS = 32, 16
 TOPICS = ["the sea", "a cat", "prime numbers", "Paris", "rain", "a robot", "tea", "autumn"]
@@ -42,18 +45,17 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 class Baseline:
-    def __init__(self, tokenizer) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir(), dtype=torch.float32).eval()
+    def __init__(self, tokenizer, model, autocast: bool) -> None:
+        self.model = model
         self.tokenizer = tokenizer
+        self.autocast = autocast
 
     def run(self, prompt_tokens: list[list[int]]) -> int:
         width = max(len(p) for p in prompt_tokens)
         pad = self.tokenizer.pad_token_id
         input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompt_tokens])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_tokens])
-        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=mask,
@@ -97,10 +99,18 @@ class Ours:
         return float(np.mean(gaps)), float(np.max(gaps))
 
 
+def useful_flops(flop_model: FlopModel, prompt_tokens: list[list[int]]) -> float:
+    """Prefill of every prompt (one unembedding each) + NEW_TOKENS - 1 decode steps per prompt."""
+    prefill = sum(flop_model.forward(len(p), flop_model.causal_keys(len(p)), unembedded=1) for p in prompt_tokens)
+    decode = sum(
+        flop_model.forward(NEW_TOKENS - 1, sum(len(p) + i for i in range(1, NEW_TOKENS))) for p in prompt_tokens
+    )
+    return prefill + decode
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="engine dtype")
     # One thread by default: on this 2-core machine shared with other jobs, 2-thread runs mostly measure
     # OpenMP threads waiting for each other (both sides run 3-4x slower), not the engine.
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides (0 = torch default)")
@@ -108,13 +118,19 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}")
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_hf_dir())
     prompt_tokens = prompts(tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir(), dtype=torch.float32).eval()
+    flops = useful_flops(FlopModel(model.config), prompt_tokens)
     with tempfile.TemporaryDirectory() as storage:
-        ours_name = f"ours (LocalEngine {args.dtype})"
-        runners = {"baseline (model.generate, bf16 autocast)": Baseline(tokenizer), ours_name: Ours(Path(storage), args.dtype)}
+        runners = {
+            "baseline generate float32": Baseline(tokenizer, model, autocast=False),
+            "baseline generate bf16 autocast": Baseline(tokenizer, model, autocast=True),
+            "ours LocalEngine float32": Ours(Path(storage) / "f32", "float32"),
+            "ours LocalEngine bfloat16": Ours(Path(storage) / "bf16", "bfloat16"),
+        }
         for runner in runners.values():
             runner.run(prompt_tokens[:4])  # warm-up
         seconds = {name: 0.0 for name in runners}
@@ -124,13 +140,16 @@ def main() -> None:
                 start = time.perf_counter()
                 produced[name] += runner.run(prompt_tokens)
                 seconds[name] += time.perf_counter() - start
+        peak = mm_peak_gflops()
         rates = {name: produced[name] / seconds[name] for name in runners}
         for name, rate in rates.items():
-            print(f"{name}: {rate:.1f} new tokens/s ({produced[name]} tokens)")
-        baseline, ours = rates.values()
-        print(f"ratio = ours/baseline = {ours / baseline:.2f} (goal >= 2)")
-        mean_gap, max_gap = runners[ours_name].agreement()
-        print(f"{args.dtype} |sampler - trainer| logprob on sampled tokens: mean {mean_gap:.2e}, max {max_gap:.2e}")
+            print(f"{name}: {rate:.1f} new tokens/s ({produced[name]} tokens); {report(flops * args.repeats, seconds[name], peak)}")
+        baseline = max(rates["baseline generate float32"], rates["baseline generate bf16 autocast"])
+        ratio = rates["ours LocalEngine float32"] / baseline
+        print(f"ratio = ours float32 / faster baseline = {ratio:.2f} (goal >= 1.5)")
+        for name in ("ours LocalEngine float32", "ours LocalEngine bfloat16"):
+            mean_gap, max_gap = runners[name].agreement()
+            print(f"{name} |sampler - trainer| logprob on sampled tokens: mean {mean_gap:.2e}, max {max_gap:.2e}")
 
 
 if __name__ == "__main__":

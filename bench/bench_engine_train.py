@@ -1,10 +1,12 @@
-"""LoRA SFT step throughput: localtinker's engine (bfloat16) vs a plain transformers+peft loop.
+"""LoRA SFT step throughput on equal-length rows: localtinker's engine vs a plain transformers+peft loop.
 
 Workload: SmolLM2-135M-Instruct, 8 sequences × 128 tokens, every position weighted, LoRA rank 16
-on all linear layers + the unembedding, one AdamW step per batch. Baseline: the fastest simple loop
-a user would write here, i.e. fp32 model + peft under ``torch.autocast(bfloat16)`` with
-``model(input_ids, labels=...)`` and ``torch.optim.AdamW``. Both run in this process, alternating,
-so machine load hits both alike. Prints tokens/s for each and ``ratio = ours/baseline``.
+on all linear layers + the unembedding, one AdamW step per batch. Baselines: the simple loop a user
+would write (fp32 model + peft, ``model(input_ids, labels=...)``, ``torch.optim.AdamW``), plain float32
+and under ``torch.autocast(bfloat16)``. Ours: ``LocalEngine`` float32 (the default) and bfloat16. All
+run in this process, alternating, so machine load hits them alike. Prints tokens/s, GFLOP/s against a
+torch.mm peak measured in the run (bench/measure.py), and ``ratio = ours float32 / the faster baseline``.
+Variable-length chat batches: bench_engine_sft_varlen.py.
 
 Usage: ``python bench/bench_engine_train.py [--steps 3]``
 """
@@ -26,6 +28,7 @@ from localtinker.engine.api import AdamSpec, DatumArrays, LoraSpec
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.lora import target_module_names
 from localtinker.engine.packaged import SMOLLM2_NAME, smollm2_hf_dir
+from measure import FlopModel, mm_peak_gflops, report
 
 BATCH, LENGTH, RANK = 8, 128, 16
 
@@ -35,7 +38,7 @@ def make_batch(seed: int) -> np.ndarray:
 
 
 class Baseline:
-    def __init__(self) -> None:
+    def __init__(self, autocast: bool) -> None:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
@@ -45,11 +48,12 @@ class Baseline:
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95), eps=1e-12
         )
+        self.autocast = autocast
 
     def step(self, batch: np.ndarray) -> None:
         input_ids = torch.as_tensor(batch[:, :-1])
         labels = torch.as_tensor(batch[:, :-1])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
             loss = self.model(input_ids=input_ids, labels=labels).loss * (BATCH * LENGTH)
         loss.backward()
         self.optimizer.step()
@@ -82,30 +86,37 @@ def timed(step, batch: np.ndarray) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--with-float32", action="store_true", help="also time the engine in float32 (for information)")
     # One thread by default: on this 2-core machine shared with other jobs, 2-thread runs mostly measure
     # OpenMP threads waiting for each other (both sides run 3-4x slower), not the engine.
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides (0 = torch default)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for every side (0 = torch default)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}")
+    from transformers import AutoConfig
+
+    flop_model = FlopModel(AutoConfig.from_pretrained(smollm2_hf_dir()))
     with tempfile.TemporaryDirectory() as storage:
-        runners = {"baseline (transformers+peft, bf16 autocast)": Baseline(), "ours (LocalEngine bfloat16)": Ours(Path(storage))}
-        if args.with_float32:
-            runners["ours float32 (information)"] = Ours(Path(storage) / "f32", dtype="float32")
+        runners = {
+            "baseline transformers+peft float32": Baseline(autocast=False),
+            "baseline transformers+peft bf16 autocast": Baseline(autocast=True),
+            "ours LocalEngine float32": Ours(Path(storage) / "f32", dtype="float32"),
+            "ours LocalEngine bfloat16": Ours(Path(storage) / "bf16", dtype="bfloat16"),
+        }
         for runner in runners.values():
             runner.step(make_batch(0))  # warm-up
         seconds = {name: 0.0 for name in runners}
         for step in range(args.steps):
             for name, runner in runners.items():
                 seconds[name] += timed(runner.step, make_batch(step + 1))
+    peak = mm_peak_gflops()
     tokens = args.steps * BATCH * LENGTH
+    flops = args.steps * BATCH * 2 * flop_model.forward(LENGTH, flop_model.causal_keys(LENGTH))
     rates = {name: tokens / value for name, value in seconds.items()}
     for name, rate in rates.items():
-        print(f"{name}: {rate:.1f} tokens/s")
-    baseline, ours = list(rates.values())[:2]
-    print(f"ratio = ours/baseline = {ours / baseline:.2f} (goal >= 1.3)")
+        print(f"{name}: {rate:.1f} tokens/s; {report(flops, seconds[name], peak)}")
+    baseline = max(rates["baseline transformers+peft float32"], rates["baseline transformers+peft bf16 autocast"])
+    print(f"ratio = ours float32 / faster baseline = {rates['ours LocalEngine float32'] / baseline:.2f} (goal >= 1.3)")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ class ClientOutcome:
     target: int
     steps: int = 0
     samples: int = 0
+    train_seconds: float = 0.0  # the timed train+sample phase, from the common start to this client's last step
     greedy_token: int | None = None
     own_logprob: float | None = None
     best_other_logprob: float | None = None
@@ -223,16 +224,19 @@ def _run_client(
     try:
         trainer = _new_trainer(service, config, index)
         start.wait()  # all clients hold a model: the timed phase starts for everyone at once
-        deadline = time.monotonic() + config.duration_s
+        phase_start = time.monotonic()
+        deadline = phase_start + config.duration_s
         while outcome.steps < config.min_steps or time.monotonic() < deadline:
             _train_step(trainer, config, index, log)
             outcome.steps += 1
             if outcome.steps % config.sample_every == 0:
                 _sample(trainer.save_weights_and_get_sampling_client().result(), log)
                 outcome.samples += 1
+        outcome.train_seconds = time.monotonic() - phase_start
         sampler = trainer.save_weights_and_get_sampling_client().result()
         outcome.greedy_token = _sample(sampler, log)
-        scores = {client: _logprob_of(sampler, config.target(client)) for client in range(config.clients)}
+        rivals = range(max(config.clients, 2))  # a lone client is still checked against one other target
+        scores = {client: _logprob_of(sampler, config.target(client)) for client in rivals}
         outcome.own_logprob = scores.pop(index)
         outcome.best_other_logprob = max(scores.values())
     except Exception as error:  # noqa: BLE001 - reported per client; the run goes on for the others

@@ -13,8 +13,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     parser = argparse.ArgumentParser(prog="python -m pipelines", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="materialize the whole SFT slice and its eval reports")
-    demo.add_argument("--max-steps", type=int, default=0, help="training steps (default 40; the demo config in pipelines/demo.py)")
+    demo = commands.add_parser("demo", help="run the recipe chain (SFT → DPO → RL) and every eval report")
+    demo.add_argument("--max-steps", type=int, default=0, help="training steps of every stage (default: each stage's, in pipelines/demo.py)")
     demo.add_argument("--final-only", action="store_true", help="evaluate only the final checkpoint")
     ui = commands.add_parser("ui", help="serve the Dagster UI (:3000) and the MLflow UI (:5000) on loopback")
     ui.add_argument("--dagster-port", type=int, default=3000)
@@ -35,8 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         from pipelines.definitions import defs
         from pipelines.demo import format_demo, run_demo
 
-        training = {"max_steps": args.max_steps} if args.max_steps else {}
-        print(format_demo(run_demo(defs, training, evaluate_all=not args.final_only)))
+        from pipelines.demo import STAGES
+
+        overrides = {f"{stage.recipe}_checkpoint": {"max_steps": args.max_steps} for stage in STAGES} if args.max_steps else {}
+        print(format_demo(run_demo(defs, overrides, evaluate_all=not args.final_only)))
         return 0
     return _lineage(args)
 

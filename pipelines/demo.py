@@ -1,15 +1,17 @@
-"""`make demo`: the whole SFT slice on SmolLM2-135M-Instruct, into the persistent Dagster/MLflow state.
+"""`make demo`: the recipe chain on SmolLM2-135M-Instruct, into the persistent Dagster/MLflow state.
 
-Runs the `sft_chain` job (base model → chat dataset → rendered tokens → SFT checkpoints) and then the
-`sft_eval` job for each checkpoint partition that run produced, on the DAGSTER_HOME that `make ui`
-serves, so every run, asset, check and MLflow entry is there to browse afterwards.
+Stage by stage (SFT → DPO on on-policy pairs → RL), each stage runs its recipe's ``<recipe>_chain`` job
+(data → training, chained ``init_from`` the previous stage's newest checkpoint) and then its
+``<recipe>_eval`` job for every checkpoint that run produced, on the DAGSTER_HOME that `make ui` serves,
+so every run, asset, check and MLflow entry is there to browse afterwards. Each stage's eval reports
+compare the checkpoint with the base model and with its parent (the previous stage's checkpoint).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import dagster as dg
 
@@ -28,60 +30,102 @@ DEMO_DATA = {"source": DEMO_SOURCE, "limit": 600, "heldout_fraction": 0.1}
 DEMO_TRAINING = {"learning_rate": 1e-3, "batch_size": 8, "max_steps": 40, "save_every": 20, "lora_rank": 16}
 
 
+@dataclass(frozen=True)
+class DemoStage:
+    recipe: str
+    run_config: dict[str, Any]  # the ops config of `<recipe>_chain`
+    summary: Callable[[dict[str, Any]], str] = lambda report: ""  # extra per-checkpoint text
+
+    @property
+    def chain_job(self) -> str:
+        return f"{self.recipe}_chain"
+
+
+SFT_STAGE = DemoStage(
+    "sft", {"chat_dataset": {"config": DEMO_DATA}, "sft_checkpoint": {"config": DEMO_TRAINING}}
+)
+STAGES: tuple[DemoStage, ...] = (SFT_STAGE,)
+
+
+@dataclass
+class StageResult:
+    stage: DemoStage
+    chain_run_id: str
+    checkpoints: list[CheckpointManifest]
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
 @dataclass
 class DemoResult:
-    chain_run_id: str
-    eval_run_ids: dict[str, str]
-    checkpoints: list[CheckpointManifest]
-    reports: dict[str, dict[str, Any]]
+    stages: list[StageResult]
     seconds: float
 
 
-def run_demo(defs: dg.Definitions, training: dict[str, Any] | None = None, evaluate_all: bool = True) -> DemoResult:
+def run_stage(defs: dg.Definitions, instance: dg.DagsterInstance, stage: DemoStage, overrides: dict[str, Any], evaluate_all: bool) -> StageResult:
+    started = time.monotonic()
+    ops = {name: {"config": {**op["config"], **overrides.get(name, {})}} for name, op in stage.run_config.items()}
+    chain = defs.resolve_job_def(stage.chain_job).execute_in_process(instance=instance, run_config={**QUIET, "ops": ops})
+    checkpoints = sorted(
+        (m for m in all_manifests() if m.training_dagster_run_id == chain.run_id and m.recipe == stage.recipe), key=lambda m: m.step
+    )
+    result = StageResult(stage, chain.run_id, checkpoints)
+    eval_job = defs.resolve_job_def(f"{stage.recipe}_eval")
+    for manifest in checkpoints if evaluate_all else checkpoints[-1:]:
+        run = eval_job.execute_in_process(instance=instance, partition_key=manifest.partition, run_config=QUIET)
+        (materialization,) = [
+            m for m in run.asset_materializations_for_node(f"{stage.recipe}_eval_report") if m.asset_key.path[-1].endswith("eval_report")
+        ]
+        result.reports[manifest.partition] = {k: getattr(v, "value", v) for k, v in materialization.metadata.items()}
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def run_demo(
+    defs: dg.Definitions,
+    overrides: dict[str, dict[str, Any]] | None = None,
+    evaluate_all: bool = True,
+    stages: tuple[DemoStage, ...] = STAGES,
+) -> DemoResult:
+    """``overrides``: per-op config overrides, e.g. ``{"sft_checkpoint": {"max_steps": 10}}``."""
     started = time.monotonic()
     home = ensure_dagster_home()
+    results = []
     with dg.DagsterInstance.from_config(str(home)) as instance:
-        chain = defs.resolve_job_def("sft_chain").execute_in_process(
-            instance=instance,
-            run_config={
-                **QUIET,
-                "ops": {
-                    "chat_dataset": {"config": DEMO_DATA},
-                    "sft_checkpoint": {"config": {**DEMO_TRAINING, **(training or {})}},
-                },
-            },
-        )
-        checkpoints = [m for m in all_manifests() if m.training_dagster_run_id == chain.run_id]
-        checkpoints.sort(key=lambda m: m.step)
-        chosen = checkpoints if evaluate_all else checkpoints[-1:]
-        eval_job = defs.resolve_job_def("sft_eval")
-        eval_runs, reports = {}, {}
-        for manifest in chosen:
-            result = eval_job.execute_in_process(instance=instance, partition_key=manifest.partition, run_config=QUIET)
-            eval_runs[manifest.partition] = result.run_id
-            (materialization,) = result.asset_materializations_for_node("sft_eval_report")
-            reports[manifest.partition] = {k: getattr(v, "value", v) for k, v in materialization.metadata.items()}
-    return DemoResult(chain.run_id, eval_runs, checkpoints, reports, time.monotonic() - started)
+        for stage in stages:
+            results.append(run_stage(defs, instance, stage, overrides or {}, evaluate_all))
+            print(format_stage(results[-1]), flush=True)
+    return DemoResult(results, time.monotonic() - started)
 
 
-def format_demo(result: DemoResult) -> str:
-    lines = [f"SFT demo finished in {result.seconds:.0f} s. State: {state_dir()}", ""]
-    lines.append(f"training run (Dagster): {result.chain_run_id}")
+def _cell(report: dict[str, Any], role: str, metric: str) -> str:
+    value = report.get(f"{role}_{metric}")
+    return "–" if value is None else f"{value:.3f}"
+
+
+def format_stage(result: StageResult) -> str:
+    lines = [f"== {result.stage.recipe}: {result.seconds:.0f} s, training run {result.chain_run_id}"]
     if result.checkpoints:
-        lines.append(f"training run (MLflow):  {result.checkpoints[-1].mlflow_run_url}")
-    lines.append("")
-    lines.append("checkpoint                    step   nll (base→ckpt)     bpb (base→ckpt)     accuracy (base→ckpt)")
+        lines.append(f"   MLflow run: {result.checkpoints[-1].mlflow_run_url}")
+    lines.append(f"   {'checkpoint':<30} {'step':>4}  {'metric':<14} {'base':>7} {'parent':>7} {'ckpt':>7}")
     for manifest in result.checkpoints:
         report = result.reports.get(manifest.partition)
         if report is None:
-            lines.append(f"{manifest.partition:<29} {manifest.step:>4}   (not evaluated)")
+            lines.append(f"   {manifest.partition:<30} {manifest.step:>4}  (not evaluated)")
             continue
-        cells = [f"{report[f'base_{n}']:.3f} → {report[f'checkpoint_{n}']:.3f}" for n in ("nll", "bpb", "accuracy")]
-        lines.append(f"{manifest.partition:<29} {manifest.step:>4}   {cells[0]:<19} {cells[1]:<19} {cells[2]}")
-    if result.checkpoints:
-        final = result.checkpoints[-1]
+        metrics = sorted(k[len("checkpoint_"):] for k in report if k.startswith("checkpoint_") and isinstance(report[k], float))
+        shown = [m for m in ("accuracy", "pass@1", "pass@4", "pair_accuracy", "win_rate", "nll", "bpb", "teacher_kl") if m in metrics]
+        for index, metric in enumerate(shown):
+            head = f"{manifest.partition:<30} {manifest.step:>4}" if index == 0 else " " * 35
+            lines.append(f"   {head}  {metric:<14} {_cell(report, 'base', metric):>7} {_cell(report, 'parent', metric):>7} {_cell(report, 'checkpoint', metric):>7}")
+    return "\n".join(lines)
+
+
+def format_demo(result: DemoResult) -> str:
+    lines = [f"Demo finished in {result.seconds:.0f} s. State: {state_dir()}", ""]
+    final = next((stage.checkpoints[-1] for stage in reversed(result.stages) if stage.checkpoints), None)
+    if final is not None:
         lines += [
-            "",
             f"final checkpoint: {final.state_path}",
             f"MLflow model:     {final.registered_model} v{final.model_version}",
             "",

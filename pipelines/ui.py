@@ -8,6 +8,7 @@ server is its own process group, stopped together on Ctrl-C.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,11 @@ from resources.state import default_mlflow_artifact_root, default_mlflow_trackin
 
 DAGSTER_PORT = 3000
 MLFLOW_PORT = 5000
+
+
+def redact_password(uri: str) -> str:
+    """``postgresql+psycopg2://user:secret@host/db`` → ``...://user:***@host/db``: printed URIs never carry a password."""
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", uri)
 HOST = "127.0.0.1"
 
 
@@ -85,7 +91,7 @@ def serve(dagster_port: int = DAGSTER_PORT, mlflow_port: int = MLFLOW_PORT) -> i
         wait_until_up(f"http://{HOST}:{mlflow_port}/health", mlflow)
         wait_until_up(f"http://{HOST}:{dagster_port}/server_info", dagster)
         print(f"Dagster UI  http://{HOST}:{dagster_port}   (DAGSTER_HOME={os.environ['DAGSTER_HOME']})")
-        print(f"MLflow UI   http://{HOST}:{mlflow_port}    ({default_mlflow_tracking_uri()})")
+        print(f"MLflow UI   http://{HOST}:{mlflow_port}    ({redact_password(default_mlflow_tracking_uri())})")
         print("Ctrl-C stops both.", flush=True)
         while dagster.poll() is None and mlflow.poll() is None:
             time.sleep(1.0)

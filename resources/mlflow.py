@@ -502,14 +502,14 @@ def _asset_tags(context: dg.AssetExecutionContext | dg.OpExecutionContext) -> di
 def _numeric_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     """MLflow-valid names → float values; non-numeric values (notes, lists) are skipped."""
     return {
-        _metric_name(name): float(value)
+        metric_name(name): float(value)
         for name, value in metrics.items()
         if isinstance(value, (int, float)) and not isinstance(value, bool)
     }
 
 
-def _metric_name(name: str) -> str:
-    """MLflow allows ``[\\w./ -]``; posttrain metrics use ``loss:sum`` style names."""
+def metric_name(name: str) -> str:
+    """MLflow allows ``[\\w./ -]`` in metric and tag names; posttrain metrics use ``loss:sum``, ``pass@4`` style names."""
     return re.sub(r"[^\w./ -]", "_", name)
 
 

@@ -200,9 +200,10 @@ class LocalEngine:
         decoder = causal_lm.get_decoder()
         lm_head = causal_lm.get_output_embeddings()
         loss_function = LOSSES[loss_fn]
-        outputs: list[dict[str, np.ndarray]] = []
+        outputs: list[dict[str, np.ndarray]] = [{} for _ in datums]
         total = 0.0
-        for batch in _microbatches(datums, TRAIN_MICROBATCH_TOKENS):
+        for indices in _microbatches(datums, TRAIN_MICROBATCH_TOKENS):
+            batch = [datums[i] for i in indices]
             lengths = [d.tokens.shape[0] for d in batch]
             input_ids = torch.zeros((len(batch), max(lengths)), dtype=torch.long)
             for row, datum in enumerate(batch):
@@ -213,15 +214,13 @@ class LocalEngine:
             targets = torch.cat([d.targets for d in batch])
             logprobs = token_logprobs(hidden[real], lm_head, targets)
             batch_loss = logprobs.new_zeros(())
-            for datum, lp in zip(batch, logprobs.split(lengths)):
+            for index, datum, lp in zip(indices, batch, logprobs.split(lengths)):
                 elementwise = loss_function(lp, datum.loss_inputs, config)
                 batch_loss = batch_loss + elementwise.sum()
-                outputs.append(
-                    {
-                        "logprobs": lp.detach().float().numpy().copy(),
-                        "elementwise_loss": elementwise.detach().float().numpy().copy(),
-                    }
-                )
+                outputs[index] = {
+                    "logprobs": lp.detach().float().numpy().copy(),
+                    "elementwise_loss": elementwise.detach().float().numpy().copy(),
+                }
             if backward:
                 batch_loss.backward()
             total += float(batch_loss.detach())
@@ -461,16 +460,19 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def _microbatches(datums: list[PreparedDatum], budget: int) -> list[list[PreparedDatum]]:
-    batches: list[list[PreparedDatum]] = []
-    current: list[PreparedDatum] = []
+def _microbatches(datums: list[PreparedDatum], budget: int) -> list[list[int]]:
+    """Indices of ``datums`` per micro-batch of at most ``budget`` padded tokens. Datums go in order of
+    length, so a micro-batch pads little: chat data mixes 20- and 500-token rows, and padding each
+    call's rows to its longest would waste half the compute (bench/bench_engine_sft_varlen.py)."""
+    batches: list[list[int]] = []
+    current: list[int] = []
     longest = 0
-    for datum in datums:
-        length = datum.tokens.shape[0]
+    for index in sorted(range(len(datums)), key=lambda i: datums[i].tokens.shape[0]):
+        length = datums[index].tokens.shape[0]
         if current and max(longest, length) * (len(current) + 1) > budget:
             batches.append(current)
             current, longest = [], 0
-        current.append(datum)
+        current.append(index)
         longest = max(longest, length)
     if current:
         batches.append(current)

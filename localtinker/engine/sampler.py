@@ -113,18 +113,23 @@ def _stop_reason(row: SampleRow, token: int, tokenizer: Any) -> str | None:
 
 
 def choose_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Samples one token per row; returns (tokens, their logprobs under the temperature-scaled distribution)."""
+    """Samples one token per row; returns (tokens, their logprobs under the temperature-scaled distribution).
+
+    Inverse-CDF sampling with one uniform per row from the row's own generator. The vocabulary is large
+    (49k) and this runs for every row at every step, so it makes few full passes: logsumexp, exp, cumsum.
+    """
     temperatures = torch.tensor([row.temperature if row.temperature > 0 else 1.0 for row in rows])
     scaled = logits / temperatures[:, None]
-    log_probs = torch.log_softmax(scaled, dim=-1)
+    log_normaliser = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    log_probs = scaled.sub_(log_normaliser)
     filtered = _filter_top_k_top_p(log_probs, rows)
-    probs = torch.softmax(filtered, dim=-1)
-    cdf = probs.cumsum(dim=-1)
+    cdf = filtered.exp().cumsum_(dim=-1)
     uniforms = torch.stack([torch.rand((), generator=row.generator) for row in rows])
-    sampled = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
-    sampled = sampled.clamp(max=logits.shape[-1] - 1)
-    greedy = torch.tensor([row.temperature == 0 for row in rows])
-    tokens = torch.where(greedy, scaled.argmax(dim=-1), sampled)
+    tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    tokens = tokens.clamp_(max=logits.shape[-1] - 1)
+    greedy = [i for i, row in enumerate(rows) if row.temperature == 0]
+    if greedy:
+        tokens[greedy] = log_probs[greedy].argmax(dim=-1)
     return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
 
 

@@ -114,7 +114,7 @@ def train(
         if hasattr(sink, "truncate_from"):
             sink.truncate_from(start_step)
     for metrics_logger in metrics_loggers:
-        metrics_logger.log_params({**config.flat_params(), "recipe": recipe.name, "total_steps": total_steps, **_flat_identity(recipe)})
+        metrics_logger.log_params({**_flat_identity(recipe), **config.flat_params(), "recipe": recipe.name, "total_steps": total_steps})
 
     training_client = create_training_client(service_client, config, resume_from)
     recipe.start(training_client, service_client, start_step)
@@ -304,7 +304,8 @@ def _jsonable(value: Any) -> Any:
 
 
 def _flat_identity(recipe: Recipe) -> dict[str, Any]:
-    return {f"{recipe.name}.{key}": value for key, value in _jsonable(recipe.identity()).items() if not isinstance(value, (dict, list))}
+    """The recipe's scalar identity values (batch size, β, group size ...) as params."""
+    return {key: value for key, value in _jsonable(recipe.identity()).items() if not isinstance(value, (dict, list))}
 
 
 def _result(config, recipe, total_steps, start_step, final, new_checkpoints, final_metrics) -> TrainingResult:

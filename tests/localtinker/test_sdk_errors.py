@@ -38,8 +38,12 @@ def test_each_bad_request_names_the_problem_and_leaves_state_intact(service_clie
     )
     with pytest.raises(tinker.BadRequestError, match="weights"):
         trainer.forward_backward([mismatched], "cross_entropy").result()
-    with pytest.raises(tinker.BadRequestError, match="learning_rate=-0.1 must be >= 0"):
+    with pytest.raises(tinker.BadRequestError, match="AdamParams.learning_rate must be finite and >= 0, got -0.1"):
         trainer.optim_step(types.AdamParams(learning_rate=-0.1)).result()
+    with pytest.raises(tinker.BadRequestError, match="AdamParams.eps must be finite and > 0, got 0.0"):
+        trainer.optim_step(types.AdamParams(eps=0.0)).result()
+    with pytest.raises(tinker.BadRequestError, match=r"ttl_seconds=60 must be .* between 3600"):
+        trainer.save_state("short-lived", ttl_seconds=60).result()
     with pytest.raises(tinker.BadRequestError, match="stable_reinforce.*Supported losses: cross_entropy"):
         trainer.forward_backward([_datum(TOKENS)], "stable_reinforce").result()
     np.testing.assert_array_equal(_logprobs(trainer), before)  # nothing above touched the weights or gradients

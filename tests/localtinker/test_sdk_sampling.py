@@ -78,22 +78,35 @@ def test_sampling_client_loads_its_tokenizer_by_model_name_offline(
 
 
 def test_omitted_max_tokens_samples_until_eos_past_16_tokens(service_client: tinker.ServiceClient) -> None:
-    """SamplingParams.max_tokens defaults to None (no cap but the context). The model is nudged until EOS has
-    ~2-6% probability at every position; unmodified SamplingParams then give answers that run until EOS
-    (stop_reason "stop"), some longer than 16 tokens, the cap localtinker used to impose."""
+    """SamplingParams.max_tokens defaults to None (no cap but the context). The model is taught to put ~5%
+    on EOS after its own samples, so answers have geometric lengths; unmodified SamplingParams then run
+    each answer until EOS (stop_reason "stop"), some past 16 tokens, the cap localtinker used to impose."""
     trainer = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=8, seed=1).result()
     eos = trainer.get_tokenizer().eos_token_id
-    tokens = [int(t) for t in np.random.default_rng(0).integers(1000, 40000, size=40)]
-    eos_everywhere = types.Datum(
-        model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs={"target_tokens": [eos] * len(tokens)}
-    )
+    own = trainer.save_weights_and_get_sampling_client().result()
+    samples = own.sample(PROMPT, num_samples=4, sampling_params=types.SamplingParams(max_tokens=40, seed=1)).result()
+    prompt = PROMPT.to_ints()
+    eos_after_own_samples = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints((prompt + s.tokens)[:-1]),
+            loss_fn_inputs={
+                "target_tokens": [eos] * (len(prompt) + len(s.tokens) - 1),
+                "weights": [0.0] * (len(prompt) - 1) + [1.0] * len(s.tokens),
+            },
+        )
+        for s in samples.sequences
+    ]
+
+    def mean_eos_probability() -> float:
+        outputs = trainer.forward(eos_after_own_samples, "cross_entropy").result().loss_fn_outputs
+        return float(np.mean([np.exp(o["logprobs"].to_numpy()[len(prompt) - 1 :]).mean() for o in outputs]))
+
     for _ in range(40):
-        probe = trainer.forward([eos_everywhere], "cross_entropy").result()
-        if np.exp(probe.loss_fn_outputs[0]["logprobs"].to_numpy()).mean() >= 0.02:
+        if mean_eos_probability() >= 0.05:
             break
-        trainer.forward_backward([eos_everywhere], "cross_entropy")
+        trainer.forward_backward(eos_after_own_samples, "cross_entropy")
         trainer.optim_step(types.AdamParams(learning_rate=3e-3))
-    assert np.exp(probe.loss_fn_outputs[0]["logprobs"].to_numpy()).mean() < 0.06
+    assert 0.05 <= mean_eos_probability() < 0.2
     sampler = trainer.save_weights_and_get_sampling_client().result()
     params = types.SamplingParams(seed=5)
     assert params.max_tokens is None

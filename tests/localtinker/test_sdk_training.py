@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -92,3 +93,21 @@ def test_forward_backward_custom_with_a_dpo_loss(service_client: tinker.ServiceC
     trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     after = trainer.forward_backward_custom(pair, dpo_loss).result()
     assert after.metrics["loss:sum"] < math.log(2) and after.metrics["dpo_margin:mean"] > 0
+
+
+def test_checkpoint_ttl_is_listed_and_can_be_changed(service_client: tinker.ServiceClient) -> None:
+    trainer = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=2, seed=3).result()
+    expiring = trainer.save_state("expiring", ttl_seconds=7200).result().path
+    kept = trainer.save_weights_for_sampler("kept").result().path
+    rest = service_client.create_rest_client()
+
+    def expiry() -> dict[str, float | None]:
+        listed = rest.list_checkpoints(trainer.model_id).result().checkpoints
+        return {c.tinker_path: None if c.expires_at is None else c.expires_at.timestamp() for c in listed}
+
+    now = time.time()
+    assert expiry()[kept] is None
+    assert abs(expiry()[expiring] - (now + 7200)) < 120
+    rest.set_checkpoint_ttl_from_tinker_path(kept, 3600).result()
+    rest.set_checkpoint_ttl_from_tinker_path(expiring, None).result()
+    assert expiry()[expiring] is None and abs(expiry()[kept] - (now + 3600)) < 120

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from assets.code_rl import CODE_RL
 from assets.rl import RL
 from assets.sft import SFT
 from assets.training import training_config_class
@@ -12,7 +13,7 @@ from pipelines.definitions import build_definitions
 from tests.fixtures.dagster_env import tiny_resources
 
 REPO = Path(__file__).resolve().parents[2]
-TRAINING_SPECS = (SFT, RL)  # every recipe's TrainingSpec: their launchpad configs are checked below
+TRAINING_SPECS = (SFT, RL, CODE_RL)  # every recipe's TrainingSpec: their launchpad configs are checked below
 
 # key: (upstream keys, group, kinds, partitioned by, checks). Update deliberately when the graph changes.
 ASSET_GRAPH = {
@@ -35,6 +36,11 @@ ASSET_GRAPH = {
     "rl_checkpoints": (["rl_checkpoint"], "training", ["tinker"], "rl_checkpoints", []),
     "rl_eval_report": (["rl_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "rl_checkpoints", ["improves_on_base"]),
     "rollout_batches": (["rl_checkpoint"], "training", ["mlflow", "parquet"], None, []),
+    "code_rl_checkpoint": (["base_model", "code_problems", "sft_checkpoint"], "training", ["mlflow", "tinker"], None, []),
+    "code_rl_checkpoints": (["code_rl_checkpoint"], "training", ["tinker"], "code_rl_checkpoints", []),
+    "code_rl_eval_report": (
+        ["code_rl_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "code_rl_checkpoints", ["improves_on_base"]
+    ),
 }
 
 

@@ -49,7 +49,7 @@ def test_killed_training_resumes_from_its_last_checkpoint_with_one_mlflow_histor
     assert [r.batch for r in records] == [2, 4, 6, 8]
     manifests = sorted(all_manifests(), key=lambda m: m.step)
     assert [m.state_path for m in manifests] == [r.state_path for r in records]
-    assert sorted(dagster_instance.get_dynamic_partitions("checkpoints")) == sorted(m.partition for m in manifests)
+    assert sorted(dagster_instance.get_dynamic_partitions("sft_checkpoints")) == sorted(m.partition for m in manifests)
 
     mlflow = tiny_resources(project_state)["mlflow"]
     client = mlflow.get_client()

@@ -70,3 +70,10 @@ def test_ui_serves_dagster_and_mlflow_and_leaves_nothing_behind_on_sigterm(proje
         for process in [*descendants, psutil.Process(ui.pid) if ui.poll() is None else None]:
             if process is not None and process.is_running():
                 process.kill()
+
+
+def test_printed_tracking_uri_never_shows_a_database_password() -> None:
+    from pipelines.ui import redact_password
+
+    assert redact_password("postgresql+psycopg2://mlflow:s3cret@127.0.0.1:5432/mlflow") == "postgresql+psycopg2://mlflow:***@127.0.0.1:5432/mlflow"
+    assert redact_password("sqlite:////state/mlflow/mlflow.db") == "sqlite:////state/mlflow/mlflow.db"

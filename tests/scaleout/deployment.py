@@ -5,7 +5,7 @@
 - DAGSTER_HOME holds a verbatim copy of ``deploy/postgres/dagster.yaml``;
 - one localtinker server stands in for hosted Tinker, shared by every run;
 - a gRPC code server serves ``pipelines.definitions`` (the production code location, unchanged);
-- ``dagster-daemon run`` with ``deploy/postgres/workspace.yaml`` dequeues runs, ticks the eval sensor and
+- ``dagster-daemon run`` with ``deploy/postgres/workspace.yaml`` dequeues runs, ticks the automation sensor and
   launches runs through the code server.
 
 Every process gets its own session (``start_new_session``) and is stopped by signalling its process group,

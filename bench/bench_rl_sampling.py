@@ -1,0 +1,129 @@
+"""RL-shaped sampling through the SDK: 64 prompts × 8 samples × 16 new tokens, all requests at once.
+
+Workload: SmolLM2-135M-Instruct behind an in-process localtinker (float32, the default), 64 distinct
+arithmetic chat prompts ("What is x + y?", as in the RL recipe), ``num_samples=8``, 16 new tokens,
+temperature 1, no early stop. Ours: the 64 ``sample`` futures submitted at once (what an RL loop
+does), so the server prefills each prompt once and decodes all 512 rows together. Baselines, in the
+same process: (a) the same 64 requests one at a time through the SDK; (b) ``model.generate(
+num_return_sequences=8)`` batched over the 64 prompts, float32 and bf16 autocast (the faster counts).
+Prints samples/s, achieved GFLOP/s against a torch.mm peak measured in the run, and the ratios
+(goals: >= 4 over (a), >= 2.5 over (b)).
+
+Usage: ``python bench/bench_rl_sampling.py [--threads 1]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+import tinker
+import torch
+from tinker import types
+
+from localtinker.engine.packaged import SMOLLM2_NAME, smollm2_hf_dir
+from localtinker.server import start_server
+from measure import FlopModel, mm_peak_gflops, report
+
+PROMPTS, SAMPLES, NEW_TOKENS = 64, 8, 16
+PARAMS = types.SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, stop=[])
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    rng = random.Random(0)
+    questions = [f"What is {rng.randint(0, 100)} + {rng.randint(0, 100)}?" for _ in range(PROMPTS)]
+    return [
+        tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )
+        for q in questions
+    ]
+
+
+def sdk_concurrent(sampler, prompt_tokens) -> int:
+    futures = [
+        sampler.sample(types.ModelInput.from_ints(p), num_samples=SAMPLES, sampling_params=PARAMS.model_copy(update={"seed": i}))
+        for i, p in enumerate(prompt_tokens)
+    ]
+    return sum(len(s.tokens) for f in futures for s in f.result().sequences)
+
+
+def sdk_one_at_a_time(sampler, prompt_tokens) -> int:
+    produced = 0
+    for i, p in enumerate(prompt_tokens):
+        params = PARAMS.model_copy(update={"seed": i})
+        result = sampler.sample(types.ModelInput.from_ints(p), num_samples=SAMPLES, sampling_params=params).result()
+        produced += sum(len(s.tokens) for s in result.sequences)
+    return produced
+
+
+def generate(model, pad: int, prompt_tokens, autocast: bool) -> int:
+    width = max(len(p) for p in prompt_tokens)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompt_tokens])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_tokens])
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model.generate(
+            input_ids=input_ids, attention_mask=mask, do_sample=True, num_return_sequences=SAMPLES,
+            max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=pad, top_k=0,
+        )
+    return (out.shape[1] - width) * out.shape[0]
+
+
+def useful_flops(flop_model: FlopModel, prompt_tokens) -> float:
+    """Each prompt prefilled once (one unembedding), then 8 rows × 15 decode steps."""
+    prefill = sum(flop_model.forward(len(p), flop_model.causal_keys(len(p)), unembedded=1) for p in prompt_tokens)
+    decode = sum(
+        SAMPLES * flop_model.forward(NEW_TOKENS - 1, sum(len(p) + i for i in range(1, NEW_TOKENS))) for p in prompt_tokens
+    )
+    return prefill + decode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for every side (0 = torch default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch threads: {torch.get_num_threads()}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_hf_dir())
+    prompt_tokens = prompts(tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir(), dtype=torch.float32).eval()
+    flops = useful_flops(FlopModel(model.config), prompt_tokens)
+    with tempfile.TemporaryDirectory() as storage, start_server(storage, dtype="float32") as server:
+        client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-bench")
+        sampler = client.create_sampling_client(base_model=SMOLLM2_NAME).result()
+        sdk_concurrent(sampler, prompt_tokens[:4])  # warm-up
+        sides = {
+            "ours: SDK, 64 requests at once": lambda: sdk_concurrent(sampler, prompt_tokens),
+            "baseline (a): SDK, one request at a time": lambda: sdk_one_at_a_time(sampler, prompt_tokens),
+            "baseline (b): generate float32": lambda: generate(model, tokenizer.pad_token_id, prompt_tokens, False),
+            "baseline (b): generate bf16 autocast": lambda: generate(model, tokenizer.pad_token_id, prompt_tokens, True),
+        }
+        peak = mm_peak_gflops()
+        rates = {}
+        for name, run in sides.items():
+            start = time.perf_counter()
+            produced = run()
+            seconds = time.perf_counter() - start
+            rates[name] = produced / seconds
+            print(f"{name}: {produced / NEW_TOKENS / seconds:.1f} samples/s, {rates[name]:.1f} new tokens/s; "
+                  f"{report(flops, seconds, peak)}")
+        client.close("success").result()
+    ours = rates["ours: SDK, 64 requests at once"]
+    one_at_a_time = rates["baseline (a): SDK, one request at a time"]
+    generate_best = max(rates["baseline (b): generate float32"], rates["baseline (b): generate bf16 autocast"])
+    print(f"ratio (a) = ours / one at a time = {ours / one_at_a_time:.2f} (goal >= 4)")
+    print(f"ratio (b) = ours / faster generate(num_return_sequences=8) = {ours / generate_best:.2f} (goal >= 2.5)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The RL asset module without a training run: launchpad config, env/config errors, the rollout table helpers."""
+
+from pathlib import Path
+
+import dagster as dg
+import pyarrow as pa
+import pytest
+
+from assets.config_bridge import DEFAULT_DOC, library_config
+from assets.rl import RL, build_rl
+from assets.rollouts import groups_markdown, plot_curve, rollout_table, step_summary, summary_markdown
+from assets.training import RecipeInputs, training_config_class
+from posttrain.datasets.loaders import LoadSpec, load
+from posttrain.rl.config import RLConfig
+from posttrain.training.rows import JsonlRowSink
+from tests.fixtures.dagster_env import TINY_MODEL
+
+
+@pytest.fixture(scope="module")
+def problems_table() -> pa.Table:
+    return load(LoadSpec(kind="rl", source="reasoning_gym:basic_arithmetic", limit=12, heldout_fraction=0.25)).table
+
+
+def _inputs(tmp_path: Path, table: pa.Table, **values) -> RecipeInputs:
+    config = RLConfig(**values)
+    config.training.base_model, config.training.log_dir = TINY_MODEL, str(tmp_path / "run")
+    return RecipeInputs(None, config, None, {"rl_problems": table}, {}, TINY_MODEL, None, None, str(tmp_path / "run"))
+
+
+def test_launchpad_config_documents_every_field_and_takes_dict_options():
+    config_class = training_config_class(RL)
+    undocumented = [name for name, field in config_class.model_fields.items() if not field.description or field.description == DEFAULT_DOC]
+    assert undocumented == []
+    assert config_class.model_fields["env"].default == "problems" and config_class.model_fields["init_from"].default == "latest:sft"
+    launch = config_class(env_options={"split": "train", "num_epochs": 2}, loss_fn="dro", loss_fn_config={"beta": 0.05}, group_size=2)
+    library = library_config(launch, RLConfig, log_dir="/tmp/run", base_model=TINY_MODEL, init_from=None)
+    assert library.env_options == {"split": "train", "num_epochs": 2} and library.loss_fn_config == {"beta": 0.05}
+    assert library.group_size == 2 and library.training.log_dir == "/tmp/run"
+
+
+def test_problems_env_trains_on_the_train_split_and_writes_rollouts_under_the_log_dir(tmp_path, problems_table):
+    run = build_rl(_inputs(tmp_path, problems_table, env="problems", group_size=2, groups_per_batch=2))
+    train_rows = [row for row in problems_table.to_pylist() if row["split"] == "train"]
+    assert run.recipe.num_steps() == len(train_rows) // 2
+    assert run.recipe.identity()["dataset"]["num_problems"] == len(train_rows)
+    assert [Path(sink.path) for sink in run.row_sinks] == [tmp_path / "run" / "rollouts.jsonl"]
+    assert run.renderer == "chatml" and run.related["env"] == {"name": "problems", "options": {}, "problems_table": True}
+
+
+def test_generated_envs_ignore_the_table(tmp_path, problems_table):
+    run = build_rl(_inputs(tmp_path, problems_table, env="arithmetic", num_batches=5))
+    assert run.recipe.num_steps() == 5 and run.related["env"]["problems_table"] is False
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"env": "chess"}, "env='chess'"),
+        ({"env": "problems", "env_options": {"shuffle": True}}, "shuffle"),
+        ({"env": "problems", "renderer": "nope"}, "renderer='nope'"),
+        ({"group_size": 0}, "group_size must be >= 1"),
+        ({"loss_fn": "dro"}, "loss_fn 'dro' needs loss_fn_config"),
+        ({"env": "problems", "groups_per_batch": 50}, "groups_per_batch=50"),
+    ],
+)
+def test_bad_env_or_config_fails_naming_the_field(tmp_path, problems_table, values, named):
+    with pytest.raises(dg.Failure) as failure:
+        build_rl(_inputs(tmp_path, problems_table, **values))
+    assert named in str(failure.value.description)
+
+
+def _row(step: int, group: str, sample: int, reward: float, correct: float | None = None, **extra) -> dict:
+    return {"step": step, "group": group, "sample": sample, "tags": [], "prompt": "What is 1 + 1?", "prompt_tokens": [1, 2],
+            "completion": f"answer {sample}", "completion_tokens": [3, 4], "sampler_logprobs": [-0.1, -0.2], "reward": reward,
+            "advantage": 0.0, "trained": True, "num_turns": 1, "correct": correct, "sampler_step": step,
+            "sampler_path": f"tinker://run/sampler_weights/rl-step{step:06d}", **extra}
+
+
+def test_rollout_table_orders_rows_adds_provenance_and_summarises_each_step(tmp_path):
+    sink = JsonlRowSink(tmp_path / "rollouts.jsonl")
+    sink.write_rows(1, [_row(1, "1.10", 0, 0.0, 0.0), _row(1, "1.2", 1, 1.0, 1.0), _row(1, "1.2", 0, 0.0, 0.0)])
+    sink.write_rows(0, [_row(0, "0.0", 0, -0.1, 0.0, sandbox_status="failed")])
+    table = rollout_table(sink.read(), training_run_id="abc", mlflow_run_id="m1")
+    assert [(r["step"], r["group"], r["sample"]) for r in table.to_pylist()] == [(0, "0.0", 0), (1, "1.2", 0), (1, "1.2", 1), (1, "1.10", 0)]
+    assert set(table.column("training_run_id").to_pylist()) == {"abc"} and table.column("sandbox_status").to_pylist()[:2] == ["failed", None]
+    summary = step_summary(table)
+    assert [s["samples"] for s in summary] == [1, 3]
+    assert summary[1]["reward_mean"] == pytest.approx(1 / 3) and summary[1]["accuracy"] == pytest.approx(1 / 3)
+    assert summary[1]["reward_std"] == pytest.approx((2 / 9) ** 0.5)
+    assert "| 1 | 3 | 0.3333 | 0.4714 | 0.333 |" in summary_markdown(summary)
+    preview = groups_markdown(table)
+    assert preview.index("**group 1.2**") < preview.index("**group 1.10**") and "group 0.0" not in preview
+    assert plot_curve(summary, tmp_path / "curve.png", "t").read_bytes()[:4] == b"\x89PNG"
