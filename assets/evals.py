@@ -65,6 +65,7 @@ class EvalInputs:
     tables: dict[str, pa.Table]  # asset key -> the version the checkpoint was trained on
     tokenizer: Any
     config: EvalConfig
+    tinker: TinkerResource | None = None  # for evaluators that need other models (a distillation teacher's KL)
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ def build_eval_asset(spec: EvalSpec) -> dg.AssetsDefinition:
             tables={asset: load_trained_version(manifest, asset) for asset in spec.data_assets},
             tokenizer=load_tokenizer(manifest.base_model),
             config=config,
+            tinker=tinker,
         )
         evaluators = list(spec.evaluators(inputs))
         with tinker.session(f"{name} {manifest.partition}") as client:
@@ -193,6 +195,7 @@ def _cache_key(spec: EvalSpec, inputs: EvalInputs, model: str) -> str:
             "recipe": spec.training.recipe,
             "data": {asset: inputs.manifest.upstream[asset]["data_version"] for asset in spec.data_assets},
             "renderer": inputs.manifest.renderer,
+            "related": inputs.manifest.related,  # e.g. distillation teachers: the base's teacher_kl depends on them
             "config": inputs.config.model_dump(),
         },
         sort_keys=True,

@@ -36,6 +36,11 @@ def build_rl(inputs: RecipeInputs) -> RecipeRun:
     problems = config.problems()
     if problems:
         raise dg.Failure(f"rl_checkpoint config is invalid: {'; '.join(problems)}")
+    if config.env == TABLE_ENV and config.env_options.get("split") == HELDOUT_SPLIT:
+        raise dg.Failure(
+            f"rl_checkpoint: env_options.split={HELDOUT_SPLIT!r} would train on the problems rl_eval_report holds out; "
+            "train on 'train' (the default)"
+        )
     tokenizer = load_tokenizer(inputs.base_model)
     try:
         renderer = get_renderer(config.renderer, tokenizer)

@@ -22,10 +22,11 @@ Checkpoints are not passed through an IO manager (ARCHITECTURE §3): the asset r
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import dagster as dg
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from assets.base_model import materialized_base_model
 from assets.chaining import InitFromError, ParentCheckpoint, resolve_init_from
@@ -87,6 +88,9 @@ class TrainingSpec:
     default_init_from: str = ""
     defaults: Mapping[str, Any] = field(default_factory=dict)  # launchpad defaults that differ from the library's
     extra_deps: tuple[str, ...] = ()  # further non-table upstream assets (e.g. a teacher's checkpoint asset)
+    # A table chosen in the launchpad among several assets: (config field, asset names; the first is the
+    # default). All are drawn as graph edges; the chosen one's latest version is read and recorded.
+    input_choice: tuple[str, tuple[str, ...]] | None = None
     description: str = ""
 
     @property
@@ -104,11 +108,16 @@ class TrainingSpec:
 
 def training_config_class(spec: TrainingSpec) -> type[dg.Config]:
     name = "".join(part.title() for part in spec.recipe.split("_")) + "TrainingConfig"
+    extra: dict[str, tuple[Any, Any, str]] = {}
+    if spec.input_choice:
+        field_name, options = spec.input_choice
+        extra[field_name] = (Literal[options], options[0], f"Which table to train on: {', '.join(options)} (its latest version).")
     return dagster_config(
         name,
         spec.library_config,
         defaults=dict(spec.defaults),
         extra={
+            **extra,
             "init_from": (
                 str,
                 spec.default_init_from,
@@ -131,7 +140,7 @@ def build_training_asset(spec: TrainingSpec) -> dg.AssetsDefinition:
         name=spec.asset_name,
         group_name=TRAINING_GROUP,
         kinds={"tinker", "mlflow"},
-        deps=[BASE_MODEL_ASSET, *spec.parent_assets, *spec.extra_deps],
+        deps=[BASE_MODEL_ASSET, *spec.parent_assets, *spec.extra_deps, *(spec.input_choice[1] if spec.input_choice else ())],
         ins=dict(spec.ins),
         pool=TINKER_POOL,
         description=spec.description or f"{spec.recipe} LoRA training; every saved checkpoint becomes a `{partitions_name(spec.recipe)}` partition.",
@@ -157,7 +166,12 @@ def build_checkpoints_asset(spec: TrainingSpec) -> dg.AssetSpec:
 def _materialize(spec, context, config, tinker: TinkerResource, mlflow: MlflowResource, tables) -> dg.MaterializeResult:
     base = latest_version(context.instance, BASE_MODEL_ASSET)
     base_model = str(base.metadata.get("base_model", "")) or tinker.base_model
+    tables = dict(tables)
     versions = {name: latest_version(context.instance, name) for name in spec.ins}
+    if spec.input_choice:
+        chosen = getattr(config, spec.input_choice[0])
+        versions[chosen] = latest_version(context.instance, chosen)
+        tables[chosen] = read_version(versions[chosen])
     check_tokenizers(context, spec.asset_name, tables)
     try:
         parent = resolve_init_from(config.init_from, alias_lookup=mlflow.alias_partition, base_model=base_model)
@@ -168,7 +182,7 @@ def _materialize(spec, context, config, tinker: TinkerResource, mlflow: MlflowRe
     library = library_config(
         config, spec.library_config, log_dir=log_dir, base_model=base_model, init_from=parent.state_path if parent else None
     )
-    inputs = RecipeInputs(context, library, config, dict(tables), versions, base_model, parent, tinker, log_dir)
+    inputs = RecipeInputs(context, library, config, tables, versions, base_model, parent, tinker, log_dir)
     recipe_run = spec.build(inputs)
     lineage = _Lineage(spec, context, base, versions, parent, recipe_run, base_model, training_run_id, log_dir)
     started = time.monotonic()
@@ -196,6 +210,14 @@ def _materialize(spec, context, config, tinker: TinkerResource, mlflow: MlflowRe
         metadata=lineage.metadata(result, run, tinker, time.monotonic() - started),
         data_version=dg.DataVersion(partition_key(spec.recipe, training_run_id, result.final_checkpoint)),
     )
+
+
+def read_version(version: UpstreamVersion) -> pa.Table:
+    """The exact stored table of a materialization (its versioned parquet copy)."""
+    path = version.metadata.get("parquet/version_path")
+    if not path:
+        raise dg.Failure(f"{version.asset_key} (run {version.run_id}) has no versioned parquet copy: re-materialize it")
+    return pq.read_table(str(path))
 
 
 def check_tokenizers(context: dg.AssetExecutionContext, consumer: str, tables: Mapping[str, pa.Table]) -> None:

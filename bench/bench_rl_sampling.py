@@ -35,9 +35,9 @@ PROMPTS, SAMPLES, NEW_TOKENS = 64, 8, 16
 PARAMS = types.SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, stop=[])
 
 
-def prompts(tokenizer) -> list[list[int]]:
+def prompts(tokenizer, count: int) -> list[list[int]]:
     rng = random.Random(0)
-    questions = [f"What is {rng.randint(0, 100)} + {rng.randint(0, 100)}?" for _ in range(PROMPTS)]
+    questions = [f"What is {rng.randint(0, 100)} + {rng.randint(0, 100)}?" for _ in range(count)]
     return [
         tokenizer.encode(
             tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
@@ -88,6 +88,7 @@ def useful_flops(flop_model: FlopModel, prompt_tokens) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch threads for every side (0 = torch default)")
+    parser.add_argument("--prompts", type=int, default=PROMPTS, help="fewer for a quick check on a busy machine")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -95,7 +96,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_hf_dir())
-    prompt_tokens = prompts(tokenizer)
+    prompt_tokens = prompts(tokenizer, args.prompts)
     model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir(), dtype=torch.float32).eval()
     flops = useful_flops(FlopModel(model.config), prompt_tokens)
     with tempfile.TemporaryDirectory() as storage, start_server(storage, dtype="float32") as server:
@@ -103,7 +104,7 @@ def main() -> None:
         sampler = client.create_sampling_client(base_model=SMOLLM2_NAME).result()
         sdk_concurrent(sampler, prompt_tokens[:4])  # warm-up
         sides = {
-            "ours: SDK, 64 requests at once": lambda: sdk_concurrent(sampler, prompt_tokens),
+            f"ours: SDK, {args.prompts} requests at once": lambda: sdk_concurrent(sampler, prompt_tokens),
             "baseline (a): SDK, one request at a time": lambda: sdk_one_at_a_time(sampler, prompt_tokens),
             "baseline (b): generate float32": lambda: generate(model, tokenizer.pad_token_id, prompt_tokens, False),
             "baseline (b): generate bf16 autocast": lambda: generate(model, tokenizer.pad_token_id, prompt_tokens, True),
@@ -118,7 +119,7 @@ def main() -> None:
             print(f"{name}: {produced / NEW_TOKENS / seconds:.1f} samples/s, {rates[name]:.1f} new tokens/s; "
                   f"{report(flops, seconds, peak)}")
         client.close("success").result()
-    ours = rates["ours: SDK, 64 requests at once"]
+    ours = rates[f"ours: SDK, {args.prompts} requests at once"]
     one_at_a_time = rates["baseline (a): SDK, one request at a time"]
     generate_best = max(rates["baseline (b): generate float32"], rates["baseline (b): generate bf16 autocast"])
     print(f"ratio (a) = ours / one at a time = {ours / one_at_a_time:.2f} (goal >= 4)")

@@ -47,7 +47,7 @@ def extract_answer(text: str) -> str | None:
             return last_number(tail.splitlines()[0]) or tail.splitlines()[0].strip()
     matches = list(_ANSWER_IS.finditer(text))
     if matches:
-        stated = matches[-1].group(1).strip().splitlines()[0].strip()
+        stated = (matches[-1].group(1).strip().splitlines() or [""])[0].strip()  # "answer is " + spaces: none
         number = _NUMBER.match(stated.lstrip("$ "))
         if number:
             return _clean_number(number.group(0))

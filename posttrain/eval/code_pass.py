@@ -9,7 +9,9 @@ fenced block, and it passes when every test does.
 
 Every sampling request is submitted before any is awaited, and each program is queued on the sandbox
 pool as soon as its answer is read. Metric names are unprefixed by default (``pass@1``, ``pass@4``,
-``format_rate``, ``num_problems``); ``prefix="humaneval/"`` keeps two suites apart in one report.
+``pass@1_sampled`` = c/n over the temperature samples, ``format_rate``, ``num_problems``);
+``prefix="humaneval/"`` keeps two suites apart in one report. A small instruct model can be far better
+greedy than sampled at temperature 1, so ``pass@1_sampled`` is where RL shows first.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class CodeSample:
 class CodePassResult:
     pass_at_1: float  # greedy
     pass_at_k: float | None  # None when no samples were drawn (k = 0)
+    sampled_pass_at_1: float | None  # share of the temperature samples that pass (c/n): what RL moves first
     k: int
     num_problems: int
     format_rate: float  # share of answers (greedy and sampled) with a fenced code block
@@ -55,6 +58,8 @@ class CodePassResult:
         found = {f"{prefix}pass@1": self.pass_at_1, f"{prefix}format_rate": self.format_rate, f"{prefix}num_problems": float(self.num_problems)}
         if self.pass_at_k is not None:
             found[f"{prefix}pass@{self.k}"] = self.pass_at_k
+        if self.sampled_pass_at_1 is not None:
+            found[f"{prefix}pass@1_sampled"] = self.sampled_pass_at_1
         return found
 
     def sample_dicts(self) -> list[dict[str, Any]]:
@@ -97,9 +102,11 @@ def evaluate_code_pass(
         answers = [(True, c) for c in greedy_request.result()] + [(False, c) for c in (sampled_request.result() if sampled_request else [])]
         graded += [(problem, is_greedy, c, submit_code_reward(c.text, tests, limits=limits, pool=pool)) for is_greedy, c in answers]
     samples = [_sample(problem, is_greedy, completion, future.result()) for problem, is_greedy, completion, future in graded]
+    drawn = [s.passed for s in samples if not s.greedy]
     return CodePassResult(
         pass_at_1=_mean([s.passed for s in samples if s.greedy]),
         pass_at_k=_mean([_problem_pass_at_k(samples, p.row_id, k) for p in problems]) if k > 0 else None,
+        sampled_pass_at_1=_mean(drawn) if drawn else None,
         k=k,
         num_problems=len(problems),
         format_rate=_mean([s.has_code_block for s in samples]),
@@ -109,7 +116,7 @@ def evaluate_code_pass(
 
 class CodePassEvaluator:
     """An :class:`~posttrain.eval.base.Evaluator` reporting ``{prefix}pass@1`` (greedy), ``{prefix}pass@{k}``,
-    ``{prefix}format_rate`` and ``{prefix}num_problems``.
+    ``{prefix}pass@1_sampled``, ``{prefix}format_rate`` and ``{prefix}num_problems``.
 
     ``renderer`` may be a renderer name (built on first use over the target's tokenizer); ``settings``
     go to :func:`evaluate_code_pass` (k, num_samples, max_tokens, seed, limits, pool ...). The last

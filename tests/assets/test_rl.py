@@ -61,6 +61,7 @@ def test_generated_envs_ignore_the_table(tmp_path, problems_table):
         ({"group_size": 0}, "group_size must be >= 1"),
         ({"loss_fn": "dro"}, "loss_fn 'dro' needs loss_fn_config"),
         ({"env": "problems", "groups_per_batch": 50}, "groups_per_batch=50"),
+        ({"env": "problems", "env_options": {"split": "heldout"}}, "env_options.split='heldout'"),
     ],
 )
 def test_bad_env_or_config_fails_naming_the_field(tmp_path, problems_table, values, named):

@@ -56,8 +56,8 @@ def _analytic_grads(server: RunningServer, trainer: tinker.TrainingClient, data:
 
 def _assert_same_grads(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     assert actual.keys() == expected.keys()
+    assert any(float(grad.abs().max()) > 0 for grad in expected.values())  # (lora_A gets none while B = 0)
     for key, grad in expected.items():
-        assert grad is not None and float(grad.abs().max()) > 0, key
         torch.testing.assert_close(actual[key], grad, rtol=1e-4, atol=1e-7, msg=key)
 
 

@@ -59,7 +59,7 @@ def code_rl_run(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _metadata(result, node):
-    (materialization,) = result.asset_materializations_for_node(node)
+    (materialization,) = [m for m in result.asset_materializations_for_node(node) if m.asset_key == dg.AssetKey(node)]
     return {key: getattr(value, "value", value) for key, value in materialization.metadata.items()}
 
 

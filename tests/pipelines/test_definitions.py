@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from assets.code_rl import CODE_RL
+from assets.distill import DISTILL, PROMPT_DISTILL
 from assets.rl import RL
 from assets.sft import SFT
 from assets.training import training_config_class
@@ -13,7 +14,7 @@ from pipelines.definitions import build_definitions
 from tests.fixtures.dagster_env import tiny_resources
 
 REPO = Path(__file__).resolve().parents[2]
-TRAINING_SPECS = (SFT, RL, CODE_RL)  # every recipe's TrainingSpec: their launchpad configs are checked below
+TRAINING_SPECS = (SFT, RL, CODE_RL, DISTILL, PROMPT_DISTILL)  # every recipe's TrainingSpec: their launchpad configs are checked below
 
 # key: (upstream keys, group, kinds, partitioned by, checks). Update deliberately when the graph changes.
 ASSET_GRAPH = {
@@ -36,6 +37,18 @@ ASSET_GRAPH = {
     "rl_checkpoints": (["rl_checkpoint"], "training", ["tinker"], "rl_checkpoints", []),
     "rl_eval_report": (["rl_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "rl_checkpoints", ["improves_on_base"]),
     "rollout_batches": (["rl_checkpoint"], "training", ["mlflow", "parquet"], None, []),
+    "distill_checkpoint": (["base_model", "rl_checkpoint", "rl_problems", "sft_checkpoint"], "training", ["mlflow", "tinker"], None, []),
+    "distill_checkpoints": (["distill_checkpoint"], "training", ["tinker"], "distill_checkpoints", []),
+    "distill_eval_report": (["distill_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "distill_checkpoints", ["improves_on_base"]),
+    "teacher_responses": (
+        ["base_model", "rl_checkpoint", "rl_problems", "sft_checkpoint"], "data", ["parquet", "tinker"], None,
+        ["answers_not_empty", "has_assistant_turns", "schema_valid"],
+    ),
+    "prompt_distill_checkpoint": (["base_model", "teacher_responses"], "training", ["mlflow", "tinker"], None, []),
+    "prompt_distill_checkpoints": (["prompt_distill_checkpoint"], "training", ["tinker"], "prompt_distill_checkpoints", []),
+    "prompt_distill_eval_report": (
+        ["prompt_distill_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "prompt_distill_checkpoints", ["improves_on_base"]
+    ),
     "code_rl_checkpoint": (["base_model", "code_problems", "sft_checkpoint"], "training", ["mlflow", "tinker"], None, []),
     "code_rl_checkpoints": (["code_rl_checkpoint"], "training", ["tinker"], "code_rl_checkpoints", []),
     "code_rl_eval_report": (
@@ -63,13 +76,17 @@ def test_jobs_cover_each_stage_and_the_whole_chain(project_state):
     defs = build_definitions(tiny_resources(project_state))
     selections = {
         name: sorted(key.to_user_string() for key in defs.resolve_job_def(name).asset_layer.selected_asset_keys)
-        for name in ("sft_data", "sft_train", "sft_eval", "sft_chain")
+        for name in ("sft_data", "sft_train", "sft_eval", "sft_chain", "rl_data", "rl_train", "rl_eval", "rl_chain")
     }
     assert selections == {
         "sft_data": ["base_model", "chat_dataset", "rendered_tokens"],
         "sft_train": ["sft_checkpoint"],
         "sft_eval": ["sft_eval_report"],
         "sft_chain": ["base_model", "chat_dataset", "rendered_tokens", "sft_checkpoint"],
+        "rl_data": ["base_model", "rl_problems"],
+        "rl_train": ["rl_checkpoint", "rollout_batches"],
+        "rl_eval": ["rl_eval_report"],
+        "rl_chain": ["base_model", "rl_checkpoint", "rl_problems", "rollout_batches"],
     }
 
 

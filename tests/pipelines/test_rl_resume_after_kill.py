@@ -13,7 +13,6 @@ import dagster as dg
 import pyarrow.parquet as pq
 import tinker
 
-from assets.rl import ROLLOUTS_FILE
 from pipelines.definitions import build_definitions
 from posttrain.checkpoints import read_checkpoints
 from tests.fixtures.dagster_env import TINY_MODEL, tiny_resources
@@ -33,7 +32,7 @@ def test_killed_rl_run_resumes_with_every_step_and_rollout_row_exactly_once(dags
                              start_new_session=True)
     deadline = time.monotonic() + 300
     training_dir = project_state / "training"
-    while not any(training_dir.glob(f"*/{ROLLOUTS_FILE}")):  # the first checkpoint committed its rows
+    while not any(training_dir.glob("*/checkpoints.jsonl")):  # the first checkpoint is recorded: kill mid-training
         assert child.poll() is None and time.monotonic() < deadline, "training finished or hung before a checkpoint"
         time.sleep(0.05)
     os.killpg(child.pid, signal.SIGKILL)

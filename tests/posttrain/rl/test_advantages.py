@@ -1,7 +1,6 @@
 import numpy as np
 import pytest
 
-from posttrain.eval.pass_at_k import pass_at_k
 from posttrain.rl.advantages import compute_advantages, group_advantages, is_constant, remove_constant_reward_groups
 from posttrain.rl.types import TrajectoryGroup
 from tests.posttrain.rl.helpers import group
@@ -28,16 +27,6 @@ def test_constant_groups_are_removed_but_one_is_kept_when_all_are_constant():
     assert remove_constant_reward_groups([flat_one, varied, flat_zero]) == [varied]
     assert remove_constant_reward_groups([flat_one, flat_zero]) == [flat_one]
     assert remove_constant_reward_groups([]) == []
-
-
-def test_pass_at_k_is_the_unbiased_estimator():
-    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
-    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)
-    assert pass_at_k(5, 4, 2) == 1.0  # fewer wrong samples than k
-    assert pass_at_k(5, 0, 3) == 0.0
-    for bad in ((5, 6, 1), (5, 2, 0), (5, 2, 6)):
-        with pytest.raises(ValueError, match="pass_at_k"):
-            pass_at_k(*bad)
 
 
 def test_an_empty_group_is_refused():

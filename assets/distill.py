@@ -1,0 +1,313 @@
+"""Distillation on the platform: on-policy (``distill_checkpoint``) and prompt distillation
+(``teacher_responses`` → ``prompt_distill_checkpoint``).
+
+On-policy: the student (a fresh LoRA on the base model, or ``init_from``) samples the ``rl_problems``
+train prompts (or any RL env); the teacher of each prompt's dataset — a checkpoint named by reference
+(partition key, ``latest:<recipe>``, ``best:<recipe>``, a ``tinker://`` sampler path) or the base model —
+scores every sampled token (``posttrain.distill``). Teachers are recorded in each checkpoint manifest
+(``related.teachers``) so ``python -m pipelines lineage`` reaches their training data; the eval report
+gives held-out ``teacher_kl``, task accuracy and the teachers' own accuracy, against the base model and
+the student's start (the parent column).
+
+Prompt distillation: a teacher plus a system prompt answers the ``rl_problems`` questions
+(``teacher_responses``, a checked chat table *without* the system prompt, split kept); SFT of the
+student on the train answers; the eval report gives held-out agreement with the teacher and task accuracy.
+"""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import dagster as dg
+import pyarrow as pa
+from pydantic import Field
+
+from assets.base_model import BASE_MODEL_KEY
+from assets.chaining import InitFromError, resolve_init_from
+from assets.checkpoint_manifest import CheckpointManifest, find_manifest
+from assets.datasets import (
+    DATA_GROUP,
+    blocking,
+    checked_table_output,
+    empty_conversation_failures,
+    failures_check,
+    messages_preview,
+    schema_check,
+    table_output,
+)
+from assets.evals import EvalInputs, EvalSpec, build_eval_asset
+from assets.training import RecipeInputs, RecipeRun, TrainingSpec, build_checkpoints_asset, build_training_asset
+from assets.upstream import latest_version
+from posttrain.datasets import schemas
+from posttrain.datasets.problems import rl_problems_from_table
+from posttrain.datasets.schemas import HELDOUT_SPLIT, TRAIN_SPLIT
+from posttrain.datasets.tokens import render_chat_table, tokenizer_identity
+from posttrain.distill import DistillConfig, DistillRecipe, Teacher, TeacherRouting
+from posttrain.distill.evals import RoutedProblem, TeacherAccuracyEvaluator, TeacherKLEvaluator
+from posttrain.distill.prompt import (
+    AgreementEvaluator,
+    PromptDistillConfig,
+    PromptDistillRecipe,
+    TeacherSampling,
+    agreement_problems,
+    teacher_responses as answer_prompts,
+)
+from posttrain.eval.accuracy import AccuracyEvaluator, problems_from_table
+from posttrain.renderers import get_renderer
+from posttrain.rl.envs import build_rl_dataset
+from posttrain.supervised.data import RenderedTokens
+from posttrain.training.rows import JsonlRowSink
+from resources.mlflow import MlflowResource
+from resources.models import load_tokenizer
+from resources.tinker import TinkerResource
+
+PROBLEMS_ASSET = "rl_problems"
+RESPONSES_ASSET = "teacher_responses"
+TABLE_ENV = "problems"
+TEACHER_ASSETS = ("sft_checkpoint", "rl_checkpoint")  # where teachers come from: drawn as graph edges
+ROLLOUTS_FILE = "distill_rollouts.jsonl"
+DEFAULT_SYSTEM_PROMPT = "You are a careful calculator. Think briefly, then end with 'The answer is N.'"
+
+
+# ---- teachers ------------------------------------------------------------------------------------
+
+
+def resolve_teacher(reference: str, base_model: str, mlflow: MlflowResource | None) -> tuple[Teacher, CheckpointManifest | None]:
+    """The teacher ``reference`` names (empty = the base model), with its manifest when it is registered."""
+    reference = reference.strip()
+    if not reference:
+        return Teacher(base_model, base_model, None, tokenizer_identity(load_tokenizer(base_model), base_model)), None
+    if reference.startswith("tinker://") and "/sampler_weights/" in reference:
+        try:
+            manifest = find_manifest(reference)
+        except LookupError:  # an unregistered sampler path: assume the student's base model, as Tinker would load it
+            return Teacher(reference, base_model, reference, tokenizer_identity(load_tokenizer(base_model), base_model)), None
+    else:
+        try:
+            parent = resolve_init_from(reference, alias_lookup=mlflow.alias_partition if mlflow else None)
+        except InitFromError as error:
+            raise dg.Failure(f"teacher {reference!r}: {error}") from error
+        if parent is None or parent.manifest is None:
+            raise dg.Failure(
+                f"teacher {reference!r} is an unregistered training state; pass its tinker://.../sampler_weights/... path "
+                "or a registered checkpoint (partition key, latest:<recipe>, best:<recipe>)"
+            )
+        manifest = parent.manifest
+    if not manifest.sampler_path:
+        raise dg.Failure(f"teacher {reference!r} ({manifest.partition}) has no sampler weights to score with")
+    identity = tokenizer_identity(load_tokenizer(manifest.base_model), manifest.base_model)
+    return Teacher(manifest.partition, manifest.base_model, manifest.sampler_path, identity), manifest
+
+
+def teacher_lineage(dataset: str, teacher: Teacher, manifest: CheckpointManifest | None) -> dict:
+    return {"dataset": dataset, "partition": manifest.partition if manifest else None, "name": teacher.name,
+            "sampler_path": teacher.sampler_path, "base_model": teacher.base_model}
+
+
+def routing_from_lineage(entries: list[dict]) -> TeacherRouting:
+    """The teachers a checkpoint was trained against, from its manifest's ``related.teachers``."""
+    teachers = {}
+    for entry in entries:
+        identity = tokenizer_identity(load_tokenizer(entry["base_model"]), entry["base_model"])
+        teachers[entry["dataset"]] = Teacher(entry["name"], entry["base_model"], entry["sampler_path"], identity)
+    return TeacherRouting(teachers)
+
+
+# ---- on-policy distillation ----------------------------------------------------------------------
+
+
+def build_distill(inputs: RecipeInputs) -> RecipeRun:
+    config: DistillConfig = inputs.config
+    problems = config.problems()
+    if problems:
+        raise dg.Failure(f"distill_checkpoint config is invalid: {'; '.join(problems)}")
+    mlflow = getattr(inputs.context.resources, "mlflow", None)
+    resolved = {dataset: resolve_teacher(reference, inputs.base_model, mlflow) for dataset, reference in config.teachers.items()}
+    routing = TeacherRouting({dataset: teacher for dataset, (teacher, _) in resolved.items()})
+    table = inputs.tables[PROBLEMS_ASSET]
+    tokenizer = load_tokenizer(inputs.base_model)
+    try:
+        if config.env == TABLE_ENV:  # every train task must have a teacher before anything is sampled
+            for task in sorted({p.task or config.env for p in rl_problems_from_table(table, TRAIN_SPLIT)}):
+                routing.teacher_for(task)
+        dataset = build_rl_dataset(
+            config.env, get_renderer(config.renderer, tokenizer), group_size=config.group_size,
+            groups_per_batch=config.groups_per_batch, seed=config.training.seed, num_batches=config.num_batches,
+            format_coef=config.format_coef, table=table if config.env == TABLE_ENV else None, options=config.env_options,
+        )
+        recipe = DistillRecipe(config, dataset, routing, tokenizer)
+    except (ValueError, KeyError) as error:
+        raise dg.Failure(f"distill_checkpoint: {error}") from error
+    return RecipeRun(
+        recipe,
+        row_sinks=[JsonlRowSink(Path(inputs.log_dir) / ROLLOUTS_FILE)],
+        related={
+            "teachers": [teacher_lineage(dataset, teacher, manifest) for dataset, (teacher, manifest) in sorted(resolved.items())],
+            "env": {"name": config.env, "options": dict(config.env_options)},
+        },
+        renderer=config.renderer,
+    )
+
+
+DISTILL = TrainingSpec(
+    recipe="distill",
+    library_config=DistillConfig,
+    ins={PROBLEMS_ASSET: dg.AssetIn()},
+    build=build_distill,
+    defaults={"env": TABLE_ENV, "teachers": {"*": "latest:sft"}, "save_every": 5, "learning_rate": 1e-4, "lora_rank": 16},
+    extra_deps=TEACHER_ASSETS,
+    description="On-policy distillation: the student samples rl_problems prompts, each prompt's teacher scores every "
+    "token (reverse KL); every saved checkpoint becomes a `distill_checkpoints` partition.",
+)
+distill_checkpoint = build_training_asset(DISTILL)
+distill_checkpoints = build_checkpoints_asset(DISTILL)
+
+
+def distill_evaluators(inputs: EvalInputs) -> list:
+    """Held-out teacher KL, greedy task accuracy, and the teachers' own accuracy on the same problems."""
+    config, manifest = inputs.config, inputs.manifest
+    if inputs.tinker is None:
+        raise dg.Failure("distill_eval_report needs the tinker resource to score with the teachers")
+    problems = problems_from_table(inputs.tables[PROBLEMS_ASSET], split=HELDOUT_SPLIT, limit=config.max_problems or None)
+    if not problems:
+        raise dg.Failure(f"the {PROBLEMS_ASSET} version {manifest.partition} was trained on has no held-out problems")
+    tasks = {row["row_id"]: row["task"] for row in inputs.tables[PROBLEMS_ASSET].select(["row_id", "task"]).to_pylist()}
+    env = manifest.related.get("env", {}).get("name", TABLE_ENV)
+    routed = [RoutedProblem(problem, tasks.get(problem.row_id) or env) for problem in problems]
+    routing = routing_from_lineage(manifest.related.get("teachers", []))
+    renderer = get_renderer(manifest.renderer or "chatml", inputs.tokenizer)
+    service = inputs.tinker.get_client
+    sampling = {"max_tokens": config.max_tokens, "seed": config.seed}
+    return [
+        AccuracyEvaluator(renderer, problems, prefix="", **sampling),
+        TeacherKLEvaluator(renderer, routed, routing, service, **sampling),
+        TeacherAccuracyEvaluator(renderer, routed, routing, service, **sampling),
+    ]
+
+
+DISTILL_EVAL = EvalSpec(training=DISTILL, data_assets=(PROBLEMS_ASSET,), evaluators=distill_evaluators, score_metric="accuracy")
+distill_eval_report = build_eval_asset(DISTILL_EVAL)
+
+
+# ---- prompt distillation -------------------------------------------------------------------------
+
+
+class TeacherResponsesConfig(dg.Config):
+    teacher: str = Field(
+        default="",
+        description="Teacher: empty = the base model; a checkpoint partition key, latest:<recipe>, best:<recipe>, or a "
+        "tinker://.../sampler_weights/... path.",
+    )
+    system_prompt: str = Field(default=DEFAULT_SYSTEM_PROMPT, description="The system prompt the teacher answers under (left out of the rows).")
+    renderer: str = Field(default="chatml", description="Chat renderer of the teacher's prompts.")
+    max_tokens: int = Field(default=64, description="Teacher answer budget.")
+    temperature: float = Field(default=0.0, description="0 = greedy answers; > 0 = sampled at this temperature.")
+    seed: int = Field(default=0, description="Sampling seed (per prompt: seed + position).")
+    limit: int = Field(default=0, description="Answer at most this many prompts (0 = every problem, both splits).")
+
+
+def truncated_answers(table: pa.Table) -> list[str]:
+    return [f"{row['row_id']}: empty teacher answer" for row in table.select(["row_id", "messages"]).to_pylist()
+            if not row["messages"][-1]["content"].strip()]
+
+
+@dg.asset(
+    name=RESPONSES_ASSET,
+    group_name=DATA_GROUP,
+    kinds={"parquet", "tinker"},
+    deps=[BASE_MODEL_KEY, *TEACHER_ASSETS],
+    ins={PROBLEMS_ASSET: dg.AssetIn()},
+    check_specs=blocking(
+        RESPONSES_ASSET,
+        ("schema_valid", "Table has the normalized chat schema (posttrain.datasets.schemas.CHAT)."),
+        ("has_assistant_turns", "Every row has the teacher's answer as an assistant message."),
+        ("answers_not_empty", "No teacher answer is empty (an empty answer teaches the student to stop at once)."),
+    ),
+    description="A teacher (checkpoint or base model) answers the rl_problems prompts under a system prompt; rows "
+    "hold the prompt WITHOUT the system prompt and the teacher's answer (prompt distillation's SFT data).",
+)
+def teacher_responses(
+    context: dg.AssetExecutionContext, config: TeacherResponsesConfig, tinker: TinkerResource, mlflow: MlflowResource, rl_problems: pa.Table
+) -> Iterator:
+    base_model = str(latest_version(context.instance, BASE_MODEL_KEY).metadata.get("base_model", "")) or tinker.base_model
+    teacher, manifest = resolve_teacher(config.teacher, base_model, mlflow)
+    problems = rl_problems_from_table(rl_problems)
+    problems = problems[: config.limit] if config.limit else problems
+    sampling = TeacherSampling(config.system_prompt, config.max_tokens, config.temperature, config.seed)
+    with tinker.session(f"{RESPONSES_ASSET} from {teacher.name}") as client:
+        renderer = get_renderer(config.renderer, load_tokenizer(teacher.base_model))
+        try:
+            rows = answer_prompts(teacher.create_sampling_client(client), renderer, problems, sampling, source=f"teacher:{teacher.name}")
+        except ValueError as error:
+            raise dg.Failure(f"{RESPONSES_ASSET}: {error}") from error
+    table = schemas.table_from_rows(rows, schemas.CHAT)
+    prompts_version = latest_version(context.instance, PROBLEMS_ASSET).data_version
+    output = table_output(table, {
+        "teacher": teacher.name,
+        "teacher_partition": manifest.partition if manifest else "",
+        "teacher_sampler_path": teacher.sampler_path or "",
+        "teacher_base_model": teacher.base_model,
+        "system_prompt": config.system_prompt,
+        "prompts_data_version": prompts_version,
+        "preview": dg.MetadataValue.md(messages_preview(table, ("messages",))),
+    })
+    yield from checked_table_output(RESPONSES_ASSET, output, [
+        schema_check(table, schemas.CHAT),
+        failures_check("has_assistant_turns", empty_conversation_failures(table)),
+        failures_check("answers_not_empty", truncated_answers(table)),
+    ])
+
+
+def build_prompt_distill(inputs: RecipeInputs) -> RecipeRun:
+    config: PromptDistillConfig = inputs.config
+    responses = inputs.tables[RESPONSES_ASSET]
+    try:
+        renderer = get_renderer(config.renderer, load_tokenizer(inputs.base_model))
+        tokens = render_chat_table(responses, renderer, "last_assistant_message", config.max_length)
+        recipe = PromptDistillRecipe(config.supervised(), RenderedTokens(tokens, split=TRAIN_SPLIT),
+                                     data_version=inputs.data_version(RESPONSES_ASSET))
+    except ValueError as error:
+        raise dg.Failure(f"prompt_distill_checkpoint: {error}") from error
+    metadata = inputs.versions[RESPONSES_ASSET].metadata
+    teacher = {"partition": metadata.get("teacher_partition") or None, "sampler_path": metadata.get("teacher_sampler_path"),
+               "name": metadata.get("teacher"), "system_prompt": metadata.get("system_prompt")}
+    return RecipeRun(recipe, related={"teachers": [teacher]}, renderer=config.renderer)
+
+
+PROMPT_DISTILL = TrainingSpec(
+    recipe="prompt_distill",
+    library_config=PromptDistillConfig,
+    ins={RESPONSES_ASSET: dg.AssetIn()},
+    build=build_prompt_distill,
+    defaults={"learning_rate": 5e-4, "lora_rank": 16},
+    description="Prompt distillation: LoRA SFT of the student on teacher_responses (no system prompt); every saved "
+    "checkpoint becomes a `prompt_distill_checkpoints` partition.",
+)
+prompt_distill_checkpoint = build_training_asset(PROMPT_DISTILL)
+prompt_distill_checkpoints = build_checkpoints_asset(PROMPT_DISTILL)
+
+
+def prompt_distill_evaluators(inputs: EvalInputs) -> list:
+    """Held-out agreement with the teacher's answers, and task accuracy on the held-out problems."""
+    config = inputs.config
+    agreement = agreement_problems(inputs.tables[RESPONSES_ASSET].to_pylist(), config.max_problems)
+    problems = problems_from_table(inputs.tables[PROBLEMS_ASSET], split=HELDOUT_SPLIT, limit=config.max_problems or None)
+    if not agreement or not problems:
+        raise dg.Failure(f"{inputs.manifest.partition} was trained on data with no held-out prompts: "
+                         "materialize rl_problems with heldout_fraction > 0, then teacher_responses")
+    renderer = get_renderer(inputs.manifest.renderer or "chatml", inputs.tokenizer)
+    return [
+        AgreementEvaluator(renderer, agreement, max_tokens=config.max_tokens, seed=config.seed),
+        AccuracyEvaluator(renderer, problems, prefix="", max_tokens=config.max_tokens, seed=config.seed),
+    ]
+
+
+PROMPT_DISTILL_EVAL = EvalSpec(
+    training=PROMPT_DISTILL, data_assets=(RESPONSES_ASSET, PROBLEMS_ASSET), evaluators=prompt_distill_evaluators,
+    score_metric="agreement",
+)
+prompt_distill_eval_report = build_eval_asset(PROMPT_DISTILL_EVAL)
+
+DISTILL_DATA_ASSETS = ("base_model", PROBLEMS_ASSET)
+PROMPT_DISTILL_DATA_ASSETS = ("base_model", PROBLEMS_ASSET, RESPONSES_ASSET)
+DISTILL_ASSETS = (distill_checkpoint, distill_checkpoints, distill_eval_report, teacher_responses,
+                  prompt_distill_checkpoint, prompt_distill_checkpoints, prompt_distill_eval_report)
