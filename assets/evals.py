@@ -27,17 +27,16 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import dagster as dg
 import pyarrow as pa
-import pyarrow.parquet as pq
 from pydantic import Field, create_model
 
 from assets.checkpoint_manifest import CheckpointManifest, read_manifest
 from assets.registration import checkpoints_asset_key
 from assets.training import TrainingSpec
+from assets.upstream import read_versioned_table
 from posttrain.eval.base import EvalTarget, Evaluator, run_evaluators
 from posttrain.eval.report import comparison_rows, markdown, report_table, worse
 from resources.mlflow import MlflowResource, metric_name
@@ -86,13 +85,7 @@ def load_trained_version(manifest: CheckpointManifest, asset: str) -> pa.Table:
     recorded = manifest.upstream.get(asset)
     if recorded is None:
         raise dg.Failure(f"checkpoint {manifest.partition} records no {asset!r} input; it was not trained on {asset}")
-    path = recorded.get("metadata", {}).get("parquet/version_path")
-    if not path or not Path(str(path)).exists():
-        raise dg.Failure(
-            f"checkpoint {manifest.partition} was trained on {asset} version {recorded.get('data_version')!r}, "
-            f"whose stored copy {path!r} is missing: evaluate it under the POSTTRAIN_STATE_DIR it was trained in"
-        )
-    return pq.read_table(str(path))
+    return read_versioned_table(recorded.get("metadata", {}), f"{asset} version {recorded.get('data_version')!r} of checkpoint {manifest.partition}")
 
 
 def eval_config_class(spec: EvalSpec) -> type[EvalConfig]:

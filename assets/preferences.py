@@ -5,6 +5,7 @@ rejected = a wrong answer of the same form that the task's scorer marks wrong.
 
 `preference_pairs` renders with the tokenizer of the materialized `base_model` (a graph dependency) and
 records its identity like `rendered_tokens` does; its split is the comparison's, chosen by prompt.
+`build_pairs_asset` is that rendering for any comparisons asset (`onpolicy_pairs` in `assets.dpo` too).
 """
 
 from collections.abc import Iterator
@@ -83,30 +84,45 @@ def preference_comparisons(config: ComparisonSourceConfig) -> Iterator:
     )
 
 
-@dg.asset(
-    group_name=DATA_GROUP,
-    kinds={"parquet"},
-    deps=[BASE_MODEL_KEY],
-    check_specs=blocking(
-        "preference_pairs",
-        ("schema_valid", "Table has the normalized preference-pair schema."),
-        ("pairs_differ_and_share_prompt", "Chosen/rejected tokens differ, share their prompt tokens, both trained."),
-        ("within_max_length", "No side exceeds max_length (longer ones are truncated and counted)."),
-    ),
-    description="Comparisons rendered to chosen/rejected token sequences sharing a prompt (DPO input).",
-)
-def preference_pairs(context: dg.AssetExecutionContext, config: PairRenderConfig, preference_comparisons: pa.Table) -> Iterator:
+def build_pairs_asset(name: str, comparisons_asset: str, description: str) -> dg.AssetsDefinition:
+    """A pair-rendering asset ``name`` over the comparisons table ``comparisons_asset``.
+
+    One code path for offline (``preference_pairs``) and on-policy (``onpolicy_pairs``) pairs: the same
+    renderer, truncation, skip policy, metadata and blocking checks, whatever produced the comparisons.
+    """
+
+    @dg.asset(
+        name=name,
+        group_name=DATA_GROUP,
+        kinds={"parquet"},
+        deps=[BASE_MODEL_KEY],
+        ins={"comparisons": dg.AssetIn(comparisons_asset)},
+        check_specs=blocking(
+            name,
+            ("schema_valid", "Table has the normalized preference-pair schema."),
+            ("pairs_differ_and_share_prompt", "Chosen/rejected tokens differ, share their prompt tokens, both trained."),
+            ("within_max_length", "No side exceeds max_length (longer ones are truncated and counted)."),
+        ),
+        description=description,
+    )
+    def _pairs(context: dg.AssetExecutionContext, config: PairRenderConfig, comparisons: pa.Table) -> Iterator:
+        yield from render_pairs(context, name, config, comparisons)
+
+    return _pairs
+
+
+def render_pairs(context: dg.AssetExecutionContext, name: str, config: PairRenderConfig, comparisons: pa.Table) -> Iterator:
     skip = SkipLog(skip_bad_rows=config.skip_bad_rows)
-    with data_errors("preference_pairs"):
-        tokenizer, identity = base_model_tokenizer(context, "preference_pairs")
+    with data_errors(name):
+        tokenizer, identity = base_model_tokenizer(context, name)
         renderer = tokens.get_renderer(config.renderer, tokenizer)
-        table = tokens.render_comparisons_table(preference_comparisons, renderer, config.max_length, skip)
+        table = tokens.render_comparisons_table(comparisons, renderer, config.max_length, skip)
         if config.skip_bad_rows:
             table = drop_untrained(table, ["chosen_num_trained_tokens", "rejected_num_trained_tokens"], skip)
         if table.num_rows == 0:
             raise EmptyDatasetError(f"no pairs left ({skip.count} had an untrained side)")
     table = with_tokenizer_identity(table, identity)
-    context.log.info(f"rendered {table.num_rows} preference pairs with {config.renderer}")
+    context.log.info(f"{name}: rendered {table.num_rows} preference pairs with {config.renderer}")
     lengths = [
         pc.add(pc.list_value_length(table.column(f"{side}_model_input")), 1).to_pylist() for side in ("chosen", "rejected")
     ]
@@ -119,13 +135,13 @@ def preference_pairs(context: dg.AssetExecutionContext, config: PairRenderConfig
         **tokenizer_identity_metadata(identity),
         "max_length": dg.MetadataValue.int(config.max_length or 0),
         "skipped_rows": dg.MetadataValue.int(skip.count),
-        "preview": dg.MetadataValue.md(summary.preview_markdown(preview, "preference_pairs")),
+        "preview": dg.MetadataValue.md(summary.preview_markdown(preview, name)),
         **token_metadata(lengths[0] + lengths[1], trained[0] + trained[1], targets[0] + targets[1], truncated),
     }
     if skip.samples:
         metadata["skipped_samples"] = dg.MetadataValue.md("\n".join(f"- {s}" for s in skip.samples))
     yield from checked_table_output(
-        "preference_pairs",
+        name,
         table_output(table, metadata),
         [
             schema_check(table, schemas.PREFERENCE_PAIRS),
@@ -138,3 +154,10 @@ def preference_pairs(context: dg.AssetExecutionContext, config: PairRenderConfig
             ),
         ],
     )
+
+
+preference_pairs = build_pairs_asset(
+    "preference_pairs",
+    "preference_comparisons",
+    "Comparisons rendered to chosen/rejected token sequences sharing a prompt (DPO input).",
+)

@@ -26,14 +26,13 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 import dagster as dg
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from assets.base_model import materialized_base_model
 from assets.chaining import InitFromError, ParentCheckpoint, resolve_init_from
 from assets.checkpoint_manifest import CheckpointManifest
 from assets.config_bridge import dagster_config, library_config
 from assets.registration import checkpoints_asset_key, partition_key, partitions_name, register_checkpoint
-from assets.upstream import UpstreamVersion, inputs_of, latest_version
+from assets.upstream import UpstreamVersion, inputs_of, latest_version, read_versioned_table
 from posttrain.checkpoints import CheckpointRecord
 from posttrain.datasets.tokens import TokenizerMismatch, check_tokenizer_matches, recorded_tokenizer
 from posttrain.eval.base import Evaluator
@@ -171,7 +170,7 @@ def _materialize(spec, context, config, tinker: TinkerResource, mlflow: MlflowRe
     if spec.input_choice:
         chosen = getattr(config, spec.input_choice[0])
         versions[chosen] = latest_version(context.instance, chosen)
-        tables[chosen] = read_version(versions[chosen])
+        tables[chosen] = read_versioned_table(versions[chosen].metadata, f"{chosen} (run {versions[chosen].run_id})")
     check_tokenizers(context, spec.asset_name, tables)
     try:
         parent = resolve_init_from(config.init_from, alias_lookup=mlflow.alias_partition, base_model=base_model)
@@ -210,14 +209,6 @@ def _materialize(spec, context, config, tinker: TinkerResource, mlflow: MlflowRe
         metadata=lineage.metadata(result, run, tinker, time.monotonic() - started),
         data_version=dg.DataVersion(partition_key(spec.recipe, training_run_id, result.final_checkpoint)),
     )
-
-
-def read_version(version: UpstreamVersion) -> pa.Table:
-    """The exact stored table of a materialization (its versioned parquet copy)."""
-    path = version.metadata.get("parquet/version_path")
-    if not path:
-        raise dg.Failure(f"{version.asset_key} (run {version.run_id}) has no versioned parquet copy: re-materialize it")
-    return pq.read_table(str(path))
 
 
 def check_tokenizers(context: dg.AssetExecutionContext, consumer: str, tables: Mapping[str, pa.Table]) -> None:

@@ -5,6 +5,7 @@ made it, its metadata) so a checkpoint can be traced back to its data and base m
 assets are re-materialized.
 """
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,7 @@ def inputs_of(instance: dg.DagsterInstance, version: UpstreamVersion) -> dict[st
     """The exact upstream materializations ``version`` was computed from (Dagster's input event pointers)."""
     found = {}
     for tag, value in version.tags.items():
-        if not tag.startswith(INPUT_POINTER_TAG):
+        if not tag.startswith(INPUT_POINTER_TAG) or not value.isdigit():  # "NULL": a dep never materialized
             continue
         key = dg.AssetKey.from_user_string(tag[len(INPUT_POINTER_TAG) :])
         records = instance.fetch_materializations(
@@ -64,6 +65,22 @@ def _version(key: dg.AssetKey, event: Any, storage_id: int) -> UpstreamVersion:
         metadata={name: plain_value(value) for name, value in materialization.metadata.items()},
         tags=dict(materialization.tags or {}),
     )
+
+
+VERSION_PATH_KEY = "parquet/version_path"
+
+
+def read_versioned_table(metadata: dict[str, Any], what: str):
+    """The exact table a materialization stored (its immutable parquet copy, named in its metadata)."""
+    import pyarrow.parquet as pq
+
+    path = metadata.get(VERSION_PATH_KEY)
+    if not path or not os.path.exists(str(path)):
+        raise dg.Failure(
+            f"{what}: the stored copy {path!r} of that exact table version is missing (made under another "
+            "POSTTRAIN_STATE_DIR, or before versions were kept): re-materialize it, or use the state dir it was made in"
+        )
+    return pq.read_table(str(path))
 
 
 def plain_value(value: Any) -> Any:

@@ -19,6 +19,7 @@ import dagster as dg
 from assets.code_rl import CODE_RL_EVAL, code_rl_checkpoint, code_rl_checkpoints, code_rl_eval_report
 from assets.data_assets import DATA_ASSETS
 from assets.distill import DISTILL_ASSETS, DISTILL_DATA_ASSETS, DISTILL_EVAL, PROMPT_DISTILL_DATA_ASSETS, PROMPT_DISTILL_EVAL
+from assets.dpo import DPO_ASSETS, DPO_DATA_ASSETS, DPO_EVAL
 from assets.rl import RL_EVAL, rl_checkpoint, rl_checkpoints, rl_eval_report
 from assets.rollouts import rollout_batches
 from assets.sft import SFT_EVAL, sft_checkpoint, sft_checkpoints, sft_eval_report
@@ -70,11 +71,12 @@ def build_definitions(resources: dict) -> dg.Definitions:
         build_recipe_jobs(CODE_RL_EVAL, CODE_RL_DATA_ASSETS),
         build_recipe_jobs(DISTILL_EVAL, DISTILL_DATA_ASSETS),
         build_recipe_jobs(PROMPT_DISTILL_EVAL, PROMPT_DISTILL_DATA_ASSETS),
+        build_recipe_jobs(DPO_EVAL, DPO_DATA_ASSETS),
     ]
     return dg.Definitions(
         assets=[*DATA_ASSETS, sft_checkpoint, sft_checkpoints, sft_eval_report,
                 rl_checkpoint, rl_checkpoints, rl_eval_report, rollout_batches,
-                code_rl_checkpoint, code_rl_checkpoints, code_rl_eval_report, *DISTILL_ASSETS],
+                code_rl_checkpoint, code_rl_checkpoints, code_rl_eval_report, *DISTILL_ASSETS, *DPO_ASSETS],
         jobs=[job for recipe in recipes for job in recipe.jobs],
         sensors=[automation_sensor()],
         schedules=[recipe.schedule for recipe in recipes],

@@ -26,6 +26,7 @@ from posttrain.datasets.rows import BadRowError, SkipLog
 
 TOKENIZER_METADATA_KEY = b"posttrain.tokenizer"
 _RUNTIME_TOKENIZER_STATE = ("truncation", "padding")  # set per call by transformers, not part of the vocabulary
+MIN_MAX_LENGTH = 2  # the shortest sequence that still has one (input, target) pair
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,11 @@ def _render(render_batch, renderer, conversations, train_on, max_length, row_ids
     """render_supervised_batch, with its errors re-labelled by row id (not position)."""
     from posttrain.renderers import RendererError
 
+    if max_length is not None and max_length < MIN_MAX_LENGTH:
+        raise ValueError(
+            f"max_length={max_length} leaves no token to train on (a shifted sequence needs an input and a target): "
+            f"set max_length >= {MIN_MAX_LENGTH}, or null for no truncation"
+        )
     errors = "skip" if skip.skip_bad_rows else "raise"
     try:
         batch = render_batch(renderer, conversations, train_on_what=train_on, max_length=max_length, errors=errors)

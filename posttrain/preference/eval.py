@@ -9,6 +9,7 @@
   grades them; per prompt A wins (1) when A is correct and B is not, loses (0) in the reverse case, and
   ties (½) otherwise. The win rate is the mean, with its standard error ``sd / √n``. The verifier grades
   each answer alone, so the order of A and B cannot bias it and one pass suffices.
+  :class:`WinRateEvaluator` is the same comparison as an ``Evaluator`` against a fixed opponent.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from posttrain.eval.accuracy import ChatRenderer, TaskProblem, evaluate_accuracy
+from posttrain.eval.accuracy import AccuracyResult, ChatRenderer, TaskProblem, evaluate_accuracy
 from posttrain.eval.base import EvalTarget
 from posttrain.eval.nll import target_logprobs
 from posttrain.preference.data import Pair
@@ -91,7 +92,7 @@ class WinRate:
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         return {
             f"{prefix}win_rate": self.win_rate,
-            f"{prefix}win_rate_stderr": self.stderr,
+            f"{prefix}win_rate_se": self.stderr,
             f"{prefix}wins": float(self.wins),
             f"{prefix}losses": float(self.losses),
             f"{prefix}ties": float(self.ties),
@@ -121,7 +122,14 @@ def compare_policies(
 ) -> WinRate:
     """Win rate of A over B on ``problems``, both answering greedily, judged by each problem's verifier."""
     graded = [evaluate_accuracy(target, renderer, problems, max_tokens=max_tokens, top_k=1) for target in (target_a, target_b)]
-    a_rows, b_rows = graded[0].rows, graded[1].rows
+    return win_rate_of(*graded)
+
+
+def win_rate_of(graded_a: AccuracyResult, graded_b: AccuracyResult) -> WinRate:
+    """The win rate of A over B from both policies' verdicts on the same problems, in the same order."""
+    a_rows, b_rows = graded_a.rows, graded_b.rows
+    if [row.row_id for row in a_rows] != [row.row_id for row in b_rows]:
+        raise ValueError("win_rate_of needs both policies graded on the same problems in the same order (one sample each)")
     rate, stderr, scores = win_rate_from_outcomes([r.correct for r in a_rows], [r.correct for r in b_rows])
     rows = [
         {"row_id": a.row_id, "question": a.question, "response_a": a.response, "response_b": b.response,
@@ -131,5 +139,44 @@ def compare_policies(
     return WinRate(
         win_rate=rate, stderr=stderr,
         wins=sum(s == 1.0 for s in scores), losses=sum(s == 0.0 for s in scores), ties=sum(s == 0.5 for s in scores),
-        accuracy_a=graded[0].accuracy, accuracy_b=graded[1].accuracy, rows=rows,
+        accuracy_a=graded_a.accuracy, accuracy_b=graded_b.accuracy, rows=rows,
     )
+
+
+class WinRateEvaluator:
+    """``{prefix}accuracy``, ``{prefix}win_rate`` and ``{prefix}win_rate_se`` of a target over a fixed opponent.
+
+    Greedy answers to held-out problems, each graded alone by its verifier (:func:`compare_policies`).
+    The opponent (e.g. the checkpoint's parent) is sampled once, at the first call, and its verdicts are
+    reused for every target an eval report scores (checkpoint, base, parent); the target's own greedy
+    accuracy comes with it, so the problems are not sampled twice.
+    """
+
+    def __init__(
+        self,
+        renderer: ChatRenderer,
+        problems: Sequence[TaskProblem],
+        opponent: Callable[[], EvalTarget],
+        *,
+        max_tokens: int = 64,
+        seed: int = 0,
+        prefix: str = "",
+    ):
+        if not problems:
+            raise ValueError("WinRateEvaluator got no problems: pass the held-out problems (problems_from_table(table, 'heldout'))")
+        self.renderer = renderer
+        self.problems = list(problems)
+        self.opponent = opponent
+        self.sampling = {"max_tokens": max_tokens, "top_k": 1, "seed": seed}
+        self.prefix = prefix
+        self._opponent_grades: AccuracyResult | None = None
+
+    def __call__(self, target: EvalTarget) -> dict[str, float]:
+        if self._opponent_grades is None:
+            self._opponent_grades = evaluate_accuracy(self.opponent(), self.renderer, self.problems, **self.sampling)
+        result = win_rate_of(evaluate_accuracy(target, self.renderer, self.problems, **self.sampling), self._opponent_grades)
+        return {
+            f"{self.prefix}accuracy": result.accuracy_a,
+            f"{self.prefix}win_rate": result.win_rate,
+            f"{self.prefix}win_rate_se": result.stderr,
+        }

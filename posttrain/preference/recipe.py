@@ -29,7 +29,7 @@ from posttrain.preference.data import PairBatching, PreferencePairs
 from posttrain.preference.dpo import dpo_loss_fn
 from posttrain.preference.eval import PairAccuracyEvaluator
 from posttrain.preference.reference import ReferenceSums, compute_reference_logprobs, reference_sampling_client
-from posttrain.training.config import TrainingConfig, config_from_dict
+from posttrain.training.config import TrainingConfig, config_from_dict, documented
 from posttrain.training.recipe import RecipeBase, StepOutcome
 
 REFERENCE_FILE = "reference_logprobs.parquet"
@@ -45,14 +45,16 @@ class DpoConfig:
     """A DPO run. Data order is seeded by ``training.seed`` (with LoRA init and sampling)."""
 
     training: TrainingConfig = field(default_factory=_default_training)
-    beta: float = 0.1  # strength of the implicit KL to the reference
-    batch_size: int = 8  # pairs per optimizer step (2 datums each)
-    num_epochs: int = 1
-    shuffle: bool = True
-    drop_last: bool = False  # drop each epoch's last, smaller batch
-    # None: the initial weights (a snapshot before step 0). Else a tinker://.../sampler_weights/... path or
-    # a base-model name.
-    reference_model: str | None = None
+    beta: float = documented(0.1, "DPO beta: strength of the implicit KL to the reference (higher = stay closer).")
+    batch_size: int = documented(8, "Preference pairs per optimizer step (2 datums each).")
+    num_epochs: int = documented(1, "Passes over the training pairs.")
+    shuffle: bool = documented(True, "Shuffle the pairs each epoch (seeded by seed and the epoch).")
+    drop_last: bool = documented(False, "Drop each epoch's last, smaller batch.")
+    reference_model: str | None = documented(
+        None,
+        "Reference to stay close to: None = the run's initial weights (a snapshot before step 0); else a "
+        "tinker://.../sampler_weights/... path or a base-model name.",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.training, dict):

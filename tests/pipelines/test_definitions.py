@@ -7,6 +7,7 @@ from pathlib import Path
 
 from assets.code_rl import CODE_RL
 from assets.distill import DISTILL, PROMPT_DISTILL
+from assets.dpo import DPO
 from assets.rl import RL
 from assets.sft import SFT
 from assets.training import training_config_class
@@ -14,7 +15,7 @@ from pipelines.definitions import build_definitions
 from tests.fixtures.dagster_env import tiny_resources
 
 REPO = Path(__file__).resolve().parents[2]
-TRAINING_SPECS = (SFT, RL, CODE_RL, DISTILL, PROMPT_DISTILL)  # every recipe's TrainingSpec: their launchpad configs are checked below
+TRAINING_SPECS = (SFT, RL, CODE_RL, DISTILL, PROMPT_DISTILL, DPO)  # every recipe's TrainingSpec: their launchpad configs are checked below
 
 # key: (upstream keys, group, kinds, partitioned by, checks). Update deliberately when the graph changes.
 ASSET_GRAPH = {
@@ -54,6 +55,22 @@ ASSET_GRAPH = {
     "code_rl_eval_report": (
         ["code_rl_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "code_rl_checkpoints", ["improves_on_base"]
     ),
+    "onpolicy_comparisons": (
+        ["base_model", "rl_problems", "sft_checkpoint"], "data", ["parquet", "tinker"], None, ["has_pairs", "pairs_differ", "schema_valid"]
+    ),
+    "onpolicy_pairs": (
+        ["base_model", "onpolicy_comparisons"], "data", ["parquet"], None,
+        ["pairs_differ_and_share_prompt", "schema_valid", "within_max_length"],
+    ),
+    "reference_logprobs": (
+        ["base_model", "onpolicy_pairs", "preference_pairs", "sft_checkpoint"], "data", ["parquet", "tinker"], None, ["finite", "schema_valid"]
+    ),
+    "dpo_checkpoint": (
+        ["base_model", "onpolicy_pairs", "preference_pairs", "reference_logprobs", "rl_problems", "sft_checkpoint"], "training",
+        ["mlflow", "tinker"], None, [],
+    ),
+    "dpo_checkpoints": (["dpo_checkpoint"], "training", ["tinker"], "dpo_checkpoints", []),
+    "dpo_eval_report": (["dpo_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "dpo_checkpoints", ["improves_on_base"]),
 }
 
 

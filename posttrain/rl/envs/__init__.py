@@ -37,7 +37,7 @@ ENV_OPTIONS: dict[str, frozenset[str]] = {
     "gsm8k": TABLE_OPTIONS | {"limit"},
     REASONING_GYM_PREFIX: TABLE_OPTIONS | {"limit"},
 }
-TABLE_KINDS = {"problems": "rl_problems", "code": "code_problems"}  # envs that train on a given table
+TABLE_KINDS = {"problems": "an rl_problems table", "code": "a code_problems table"}  # envs that train on a given table
 DEFAULT_GENERATED_PROBLEMS = 200
 
 
@@ -54,7 +54,7 @@ def check_env(env: str, options: dict[str, Any], table: pa.Table | None = None) 
     if unknown:
         raise ValueError(f"RL env {env!r} has no options {unknown}; its options: {sorted(ENV_OPTIONS[family]) or 'none'}")
     if family in TABLE_KINDS and table is None:
-        raise ValueError(f"RL env {env!r} needs a {TABLE_KINDS[family]} table (pass table=...)")
+        raise ValueError(f"RL env {env!r} needs {TABLE_KINDS[family]} (pass table=...)")
 
 
 def build_rl_dataset(
