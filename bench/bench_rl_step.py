@@ -16,9 +16,9 @@ Both sides see the same prompt token ids (the chatml renderer's generation promp
   one forward over prompt+completion keeping only the completion logits, the same loss, ``AdamW``.
   Timed in float32 and under ``torch.autocast(bfloat16)``; the ratio divides by the faster of the two.
 
-Each side is warmed up with one step, then the sides alternate step by step (never at the same time)
-so machine load hits all of them; each reports the median of ``--repeats`` steps and its split into
-sampling, scoring and training. Torch uses every core (``--threads``, default ``os.cpu_count()``).
+The sides run one after the other (never at the same time), each in turn built, warmed up with one
+step, timed for ``--repeats`` steps and dropped (three resident at once exceed this machine's memory);
+each reports the median step and its split into sampling, scoring and training. Torch uses every core (``--threads``, default ``os.cpu_count()``).
 
 Usage: ``python bench/bench_rl_step.py [--repeats 3] [--group-size 4] [--dtype bfloat16]``
 """
@@ -26,6 +26,8 @@ Usage: ``python bench/bench_rl_step.py [--repeats 3] [--group-size 4] [--dtype b
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import os
 import statistics
 import sys
@@ -297,6 +299,20 @@ def machine_state() -> str:
     return f"cpus={os.cpu_count()} load average (1/5/15 min)={load}; {present}; torch {torch.__version__}"
 
 
+def run_side(name: str, side: Ours | Baseline, repeats: int) -> list[StepTimes]:
+    """Warm-up step 0, then steps 1..repeats; the side is then dropped and its memory handed back, so
+    only one side's model, optimizer and activations are ever resident (three at once do not fit here)."""
+    try:
+        progress(name, 0, side.step(0))
+        return [progress(name, index, side.step(index)) for index in range(1, repeats + 1)]
+    finally:
+        if isinstance(side, Ours):
+            side.close()
+        del side
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def progress(name: str, index: int, times: StepTimes) -> StepTimes:
     label = "warm-up" if index == 0 else f"step {index}"
     print(f"  {label} {name.split(' (')[0]}: {times.total:.2f} s", file=sys.stderr, flush=True)
@@ -335,22 +351,17 @@ def main() -> None:
     print(f"machine before: {machine_state()}; torch threads {torch.get_num_threads()}")
     print(f"workload: {args.groups} problems x group {args.group_size} = {args.groups * args.group_size} samples, "
           f"<= {args.max_tokens} new tokens, LoRA rank {RANK}, SmolLM2-135M-Instruct")
+    timed: dict[str, list[StepTimes]] = {}
     with tempfile.TemporaryDirectory() as storage:
-        ours = Ours(Path(storage), args.dtype, args.threads, dataset, args.group_size, args.groups, args.max_tokens)
         sides = {
-            f"ours (RLRecipe -> tinker SDK -> localtinker {args.dtype})": ours,
-            "baseline float32 (generate + peft + AdamW)": Baseline(tokenizer, dataset, args.group_size, args.max_tokens, autocast=False),
-            "baseline bf16 autocast (generate + peft + AdamW)": Baseline(tokenizer, dataset, args.group_size, args.max_tokens, autocast=True),
+            f"ours (RLRecipe -> tinker SDK -> localtinker {args.dtype})": lambda: Ours(
+                Path(storage), args.dtype, args.threads, dataset, args.group_size, args.groups, args.max_tokens
+            ),
+            "baseline float32 (generate + peft + AdamW)": lambda: Baseline(tokenizer, dataset, args.group_size, args.max_tokens, autocast=False),
+            "baseline bf16 autocast (generate + peft + AdamW)": lambda: Baseline(tokenizer, dataset, args.group_size, args.max_tokens, autocast=True),
         }
-        try:
-            for name, side in sides.items():
-                progress(name, 0, side.step(0))  # warm-up
-            timed: dict[str, list[StepTimes]] = {name: [] for name in sides}
-            for index in range(1, args.repeats + 1):
-                for name, side in sides.items():
-                    timed[name].append(progress(name, index, side.step(index)))
-        finally:
-            ours.close()
+        for name, build in sides.items():
+            timed[name] = run_side(name, build(), args.repeats)
     medians = {name: summarize(name, steps) for name, steps in timed.items()}
     ours_name, *baseline_names = medians
     faster = min(baseline_names, key=medians.get)

@@ -44,7 +44,21 @@ class DemoStage:
 SFT_STAGE = DemoStage(
     "sft", {"chat_dataset": {"config": DEMO_DATA}, "sft_checkpoint": {"config": DEMO_TRAINING}}
 )
-STAGES: tuple[DemoStage, ...] = (SFT_STAGE,)
+# DPO on on-policy pairs: the SFT checkpoint answers 160 train+held-out problems 4 times at temperature 1;
+# a prompt with a right and a wrong answer gives a pair (about 2/3 of prompts at ~75% accuracy). The
+# reference is the SFT checkpoint (the DPO run's start), scored once by reference_logprobs.
+DEMO_ONPOLICY = {"sampler": "latest:sft", "group_size": 4, "max_tokens": 24, "temperature": 1.0, "limit": 160}
+DEMO_DPO = {"beta": 0.1, "learning_rate": 1e-4, "batch_size": 8, "num_epochs": 2, "save_every": 10, "lora_rank": 16}
+DPO_STAGE = DemoStage(
+    "dpo",
+    {
+        "rl_problems": {"config": DEMO_DATA},
+        "onpolicy_comparisons": {"config": DEMO_ONPOLICY},
+        "reference_logprobs": {"config": {"pairs": "onpolicy_pairs", "reference": "latest:sft"}},
+        "dpo_checkpoint": {"config": {**DEMO_DPO, "pairs": "onpolicy_pairs", "init_from": "latest:sft"}},
+    },
+)
+STAGES: tuple[DemoStage, ...] = (SFT_STAGE, DPO_STAGE)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from resources.state import STATE_DIR_ENV, ensure_dagster_home
 from tests.fixtures.dagster_env import TINY_MODEL, tiny_resources
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(1800)  # the module fixture runs five Dagster jobs on CPU (minutes on a loaded machine)
 SFT_CONFIG = {
     "ops": {
         "chat_dataset": {"config": {"limit": 16, "heldout_fraction": 0.25}},

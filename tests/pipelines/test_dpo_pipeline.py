@@ -4,11 +4,12 @@ accuracy, win rate, parent column) → lineage reaches the pairs' sampler; a β 
 once; bad pairs fail with a clear message and store nothing.
 
 A random tiny model never answers an arithmetic problem correctly, so no prompt would give a pair: the
-verifier is replaced by a deterministic judge (the parity of a hash of the answer's text). Sampling,
-pairing, rendering, reference scoring, training and evaluation are all real.
+verifier of the sampled answers is replaced by a judge that alternates correct / incorrect, so every
+prompt's group is mixed. Sampling, pairing, rendering, reference scoring, training and evaluation
+(with the real verifier) are all real.
 """
 
-import hashlib
+import itertools
 import json
 import os
 import subprocess
@@ -23,7 +24,6 @@ import pytest
 
 from assets.checkpoint_manifest import all_manifests
 from assets.preferences import preference_comparisons
-from posttrain.eval.answers import extract_answer
 from posttrain.preference.recipe import REFERENCE_FILE
 from resources.state import STATE_DIR_ENV, ensure_dagster_home
 from tests.fixtures.dagster_env import TINY_MODEL, tiny_resources
@@ -38,7 +38,7 @@ SFT_CONFIG = {
 DPO_TRAINING = {"batch_size": 4, "max_steps": 2, "save_every": 1, "learning_rate": 1e-3}
 DPO_CONFIG = {
     "ops": {
-        "rl_problems": {"config": {"limit": 24, "heldout_fraction": 0.25}},
+        "rl_problems": {"config": {"limit": 16, "heldout_fraction": 0.25}},
         "onpolicy_comparisons": {"config": {"group_size": 4, "max_tokens": 6}},
         "dpo_checkpoint": {"config": {**DPO_TRAINING, "beta": 0.1}},
     }
@@ -47,9 +47,14 @@ SWEEP_BETA = 0.5
 EVAL = {"max_problems": 3, "max_tokens": 6, "max_heldout_sequences": 4}
 
 
-def hash_judge(extracted, problem) -> float:
-    """Correct for about half of all answers, decided by their text alone (so re-grading agrees)."""
-    return float(hashlib.sha256((extracted or "").encode()).digest()[0] % 2)
+class AlternatingJudge:
+    """Grades answers 1, 0, 1, 0 ... in the order they are graded (a group of 4 is always mixed)."""
+
+    def __init__(self) -> None:
+        self.verdicts = itertools.cycle([1.0, 0.0])
+
+    def __call__(self, extracted, problem) -> float:
+        return next(self.verdicts)
 
 
 @dataclass
@@ -84,7 +89,7 @@ def dpo_run(tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as patch:
         for name, value in env.items():
             patch.setenv(name, value)
-        patch.setattr(assets.dpo, "grade_answer", hash_judge)
+        patch.setattr(assets.dpo, "grade_answer", AlternatingJudge())
         patch.setattr(assets.dpo, "compute_reference_logprobs", counted)
         patch.setattr(posttrain.preference.recipe, "compute_reference_logprobs", counted)
         defs = build_definitions(tiny_resources(state))
@@ -125,9 +130,9 @@ def test_onpolicy_comparisons_name_their_sampler_and_keep_the_problems_split(dpo
     (sft,) = _manifests("sft")
     metadata = _metadata(dpo_run.chain, "onpolicy_comparisons")
     assert metadata["sampler_partition"] == sft.partition and metadata["sampler_path"] == sft.sampler_path
-    assert metadata["prompts_used"] == 24
-    assert metadata["dagster/row_count"] + metadata["dropped_all_correct"] + metadata["dropped_none_correct"] == 24
-    assert "pairs from 24 prompts" in metadata["preview"]
+    assert metadata["prompts_used"] == 16 and metadata["dagster/row_count"] == 16  # every group mixed: one pair per prompt
+    assert metadata["dropped_all_correct"] == 0 and metadata["dropped_none_correct"] == 0 and metadata["sample_accuracy"] == 0.5
+    assert "16 pairs from 16 prompts" in metadata["preview"]
     comparisons = pq.read_table(dpo_run.state / "parquet" / "onpolicy_comparisons.parquet").to_pylist()
     problems = {row["row_id"]: row for row in pq.read_table(dpo_run.state / "parquet" / "rl_problems.parquet").to_pylist()}
     assert comparisons and {row["split"] for row in comparisons} == {"train", "heldout"}
@@ -135,8 +140,7 @@ def test_onpolicy_comparisons_name_their_sampler_and_keep_the_problems_split(dpo
         assert row["split"] == problems[row["row_id"]]["split"]
         assert row["source"] == "onpolicy:" + sft.sampler_path
         assert row["prompt"][-1]["content"] == problems[row["row_id"]]["question"]
-        assert hash_judge(extract_answer(row["chosen"][0]["content"]), None) == 1.0
-        assert hash_judge(extract_answer(row["rejected"][0]["content"]), None) == 0.0
+        assert row["chosen"][0]["content"] != row["rejected"][0]["content"]
     pairs = _metadata(dpo_run.chain, "onpolicy_pairs")
     assert pairs["dagster/row_count"] == len(comparisons) and pairs["renderer"] == "chatml"
     assert {c.check_name for c in dpo_run.chain.get_asset_check_evaluations() if c.passed} >= {

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
-STARTUP_SECONDS = 120
+STARTUP_SECONDS = 300  # torch import + model load; minutes on a loaded 2-core machine
 
 
 def free_port() -> int:
@@ -55,7 +55,7 @@ class ExternalServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"localtinker exited with {self.process.returncode}; log: {self.log_path.read_text()[-2000:]}")
             try:
-                if httpx.get(f"{self.base_url}/api/v1/healthz", timeout=1).status_code == 200:
+                if httpx.get(f"{self.base_url}/api/v1/healthz", timeout=5).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
