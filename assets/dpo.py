@@ -14,7 +14,8 @@
   version and this reference, training reads it (a β sweep never rescores), otherwise the recipe
   computes its own and the log says why. Each manifest records the reference and the pairs' sampler
   checkpoint (``related``), so ``python -m pipelines lineage`` walks DPO → pairs → SFT → data → base.
-- ``dpo_eval_report``: held-out pair accuracy on the exact pairs version trained on, greedy task accuracy
+- ``dpo_eval_report``: held-out pair accuracy on the exact pairs version trained on (against the reference
+  logprobs the run trained with, or its recorded reference model), greedy task accuracy
   on the held-out ``rl_problems`` of the recorded version, and the verifier-judged win rate (± standard
   error) of the checkpoint over its parent (over the base model when it has none).
 """
@@ -25,7 +26,7 @@ import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import dagster as dg
 import pyarrow as pa
@@ -48,7 +49,7 @@ from assets.datasets import (
 from assets.evals import EvalInputs, EvalSpec, build_eval_asset, load_trained_version
 from assets.preferences import build_pairs_asset, identical_failures
 from assets.training import RecipeInputs, RecipeRun, TrainingSpec, build_checkpoints_asset, build_training_asset
-from assets.upstream import UpstreamVersion, inputs_of, latest_version, read_versioned_table
+from assets.upstream import VERSION_PATH_KEY, UpstreamVersion, inputs_of, latest_version, read_versioned_table
 from posttrain.datasets import schemas
 from posttrain.datasets.schemas import HELDOUT_SPLIT, TRAIN_SPLIT
 from posttrain.eval.accuracy import default_grade, problems_from_table
@@ -374,7 +375,7 @@ def build_dpo(inputs: RecipeInputs) -> RecipeRun:
         reference_lineage = {"partition": None, "state_path": inputs.parent.state_path if inputs.parent else None}
     if shared:
         reference_lineage["logprobs"] = {"data_version": shared[1].data_version, "dagster_run_id": shared[1].run_id,
-                                         "path": shared[1].metadata.get("parquet/version_path")}
+                                         "path": shared[1].metadata.get(VERSION_PATH_KEY)}
     related = {
         "reference": reference_lineage,
         "pairs": {"asset": pairs_asset, "data_version": pairs_version.data_version},
@@ -412,6 +413,17 @@ def parent_sampler_path(manifest: CheckpointManifest) -> str | None:
     return read_manifest(manifest.parent_partition).sampler_path if manifest.parent_partition else None
 
 
+def heldout_reference(manifest: CheckpointManifest, heldout: list, service) -> pa.Table | Callable[[], pa.Table]:
+    """The reference logprobs of the held-out pairs: the ``reference_logprobs`` table the run trained with
+    (it covers both splits), else scored with the recorded reference model at the first evaluation."""
+    recorded = manifest.related["reference"]
+    shared = recorded.get("logprobs")
+    if shared:
+        return read_versioned_table({VERSION_PATH_KEY: shared["path"]}, f"{REFERENCE_ASSET} {shared['data_version']} of {manifest.partition}")
+    reference = ReferenceModel(recorded.get("base_model") or manifest.base_model, recorded.get("sampler_path"))
+    return lambda: compute_reference_logprobs(reference.sampling_client(service()), heldout)
+
+
 def dpo_evaluators(inputs: EvalInputs) -> list:
     """Held-out pair accuracy (exact pairs version, the run's reference), task accuracy and win rate vs the parent."""
     config, manifest = inputs.config, inputs.manifest
@@ -435,11 +447,7 @@ def dpo_evaluators(inputs: EvalInputs) -> list:
             "score held-out pairs with: train DPO from a registered checkpoint (partition key, latest:<recipe>)"
         )
     if heldout:
-        reference = ReferenceModel(recorded.get("base_model") or manifest.base_model, recorded.get("sampler_path"))
-        evaluators.append(PairAccuracyEvaluator(
-            heldout, lambda: compute_reference_logprobs(reference.sampling_client(service()), heldout),
-            manifest.related["dpo"]["beta"], prefix="",
-        ))
+        evaluators.append(PairAccuracyEvaluator(heldout, heldout_reference(manifest, heldout, service), manifest.related["dpo"]["beta"], prefix=""))
     if problems:
         sampler_path = parent_sampler_path(manifest)
         renderer = get_renderer(manifest.renderer or "chatml", inputs.tokenizer)

@@ -58,7 +58,21 @@ DPO_STAGE = DemoStage(
         "dpo_checkpoint": {"config": {**DEMO_DPO, "pairs": "onpolicy_pairs", "init_from": "latest:sft"}},
     },
 )
-STAGES: tuple[DemoStage, ...] = (SFT_STAGE, DPO_STAGE)
+# RL on the same task, from the DPO checkpoint: 8 problems x 8 samples = 64 samples of up to 16 tokens per
+# step, rewarded by the task's own scorer, importance-sampling loss.
+DEMO_RL = {
+    "init_from": "latest:dpo",
+    "env": "problems",
+    "group_size": 8,
+    "groups_per_batch": 8,
+    "max_tokens": 16,
+    "learning_rate": 2e-4,
+    "lora_rank": 16,
+    "max_steps": 20,
+    "save_every": 10,
+}
+RL_STAGE = DemoStage("rl", {"rl_problems": {"config": DEMO_DATA}, "rl_checkpoint": {"config": DEMO_RL}})
+STAGES: tuple[DemoStage, ...] = (SFT_STAGE, DPO_STAGE, RL_STAGE)
 
 
 @dataclass

@@ -29,7 +29,7 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +103,8 @@ class MlflowRun:
     experiment_id: str
     url: str
     ui_url: str
+    # (metric, step) points a killed attempt already logged for steps the resumed run redoes (see truncate_from).
+    already_logged: set[tuple[str, int]] = field(default_factory=set)
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Logs hyper-parameters; refuses names that look like secrets rather than risk leaking one."""
@@ -114,9 +116,29 @@ class MlflowRun:
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """posttrain ``MetricsLogger``: one call per training step; non-numeric values are skipped."""
         timestamp = int(time.time() * 1000)
-        batch = [Metric(name, value, timestamp, step) for name, value in _numeric_metrics(metrics).items()]
+        batch = [
+            Metric(name, value, timestamp, step)
+            for name, value in _numeric_metrics(metrics).items()
+            if (metric_name(name), step) not in self.already_logged
+        ]
         if batch:
             self.client.log_batch(self.run_id, metrics=batch)
+
+    def truncate_from(self, step: int) -> None:
+        """Called by the training core when it resumes at ``step``: each metric keeps one point per step.
+
+        MLflow cannot delete metric points, and a kill between committing metrics and recording the
+        checkpoint that covers them leaves points of steps the resumed run redoes. Resume is exact, so
+        the redone steps reproduce those values: the points already there are kept and the redone
+        steps' points for the same (metric, step) are not logged again.
+        """
+        run = self.client.get_run(self.run_id)
+        self.already_logged = {
+            (name, point.step)
+            for name in run.data.metrics
+            for point in self.client.get_metric_history(self.run_id, name)
+            if point.step >= step
+        }
 
     def close(self) -> None:
         """Part of posttrain's ``MetricsLogger``; the run itself ends with :meth:`MlflowResource.start_run`."""

@@ -88,6 +88,9 @@ def parse_adam(body: dict[str, Any]) -> AdamSpec:
     if not isinstance(params, dict):
         raise bad_request("optim_step: adam_params must be a JSON object")
     where = endpoint + ".adam_params"
+    nulls = [name for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm") if name in params and params[name] is None]
+    if nulls:  # the SDK serialises NaN as null: taking the default would silently train at another rate
+        raise bad_request(f"optim_step: bad AdamParams: {', '.join(nulls)} is null (a NaN on the client is sent as null); pass finite numbers")
     defaults = AdamSpec()
     spec = AdamSpec(
         **{

@@ -90,7 +90,8 @@ def distill_run(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _metadata(result, node):
-    (materialization,) = result.asset_materializations_for_node(node)
+    # the training node also records its checkpoint partitions' materializations: pick the node's own asset
+    (materialization,) = [m for m in result.asset_materializations_for_node(node) if m.asset_key == dg.AssetKey(node)]
     return {key: getattr(value, "value", value) for key, value in materialization.metadata.items()}
 
 

@@ -168,7 +168,7 @@ def test_a_beta_sweep_scores_the_reference_once(dpo_run):
     assert dpo_run.sweep.success
     reference = _metadata(dpo_run.chain, "reference_logprobs")
     assert reference["cached"] is False and reference["reference_partition"] == _manifests("sft")[0].partition
-    assert dpo_run.reference_scorings == [reference["dagster/row_count"]]  # the asset, once; neither DPO run
+    assert dpo_run.reference_scorings == [reference["dagster/row_count"]]  # the asset, once: not the DPO runs, not the eval
     for run in (dpo_run.chain, dpo_run.sweep):
         final = _manifests("dpo", run.run_id)[-1]
         assert not (Path(final.log_dir) / REFERENCE_FILE).exists()  # the recipe computed no reference of its own
@@ -224,7 +224,7 @@ def test_lineage_of_a_dpo_checkpoint_reaches_the_pairs_sampler_and_the_base_mode
              "rejected": [{"role": "user", "content": "B?"}, {"role": "assistant", "content": "y"}]},
             "do not share the same prompt turns",
         ),
-        (None, "empty"),
+        (None, "no usable comparison rows"),
     ],
     ids=["identical", "different_prompts", "empty"],
 )

@@ -148,6 +148,7 @@ def _soak(recipe: SoakRecipe, root: Path, rng: random.Random) -> tuple[SoakFigur
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # KILLS restarts of a Dagster process each; many minutes under load
 @pytest.mark.parametrize("recipe", SOAK_RECIPES, ids=lambda recipe: recipe.name)
 def test_random_kills_of_run_and_server_lose_and_repeat_nothing(recipe: SoakRecipe, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     state = tmp_path / "state"

@@ -111,3 +111,23 @@ def test_default_store_is_sqlite_at_an_absolute_path_under_the_state_dir(project
     uri = MlflowResource().resolved_tracking_uri()
     assert uri == f"sqlite:///{project_state.resolve() / 'mlflow' / 'mlflow.db'}"
     assert uri.startswith("sqlite:////")
+
+
+def test_a_resumed_run_logs_each_metric_step_once(mlflow_resource):
+    """A kill after committing steps 2-3 but before recording their checkpoint: the resume redoes them."""
+
+    @dg.asset
+    def resumed(context: dg.AssetExecutionContext, mlflow: MlflowResource) -> None:
+        with mlflow.start_run(context) as run:
+            for step in range(4):  # the killed attempt: steps 0..3 committed, checkpoint at 2 recorded
+                run.log_metrics({"loss": 4.0 - step, "step_time_seconds": 1.0}, step=step)
+            run.truncate_from(2)  # what the core calls when it resumes at step 2
+            for step in range(2, 6):
+                run.log_metrics({"loss": 4.0 - step, "step_time_seconds": 2.0}, step=step)
+
+    assert dg.materialize([resumed], resources={"mlflow": mlflow_resource}).success
+    client = mlflow_resource.get_client()
+    (run,) = client.search_runs([mlflow_resource.experiment_id(client)])
+    for name in ("loss", "step_time_seconds"):
+        assert sorted(point.step for point in client.get_metric_history(run.info.run_id, name)) == list(range(6))
+    assert [p.value for p in sorted(client.get_metric_history(run.info.run_id, "loss"), key=lambda p: p.step)] == [4.0, 3.0, 2.0, 1.0, 0.0, -1.0]

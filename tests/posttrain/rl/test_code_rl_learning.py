@@ -19,7 +19,7 @@ from posttrain.training.core import train
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 HELDOUT_PROBLEMS = 20
-STEPS, GROUP_SIZE, GROUPS_PER_BATCH, LEARNING_RATE = 15, 4, 4, 3e-4
+STEPS, GROUP_SIZE, GROUPS_PER_BATCH, LEARNING_RATE = 8, 4, 4, 4e-4
 
 
 @pytest.mark.slow
@@ -36,5 +36,6 @@ def test_rl_on_generated_code_tasks_raises_held_out_sampled_pass_rate(service_cl
     result = train(training, RLRecipe(config, dataset, smollm2_tokenizer), service_client)
     after = evaluate_code_pass(EvalTarget.from_checkpoint(service_client, result.sampler_path, smollm2_tokenizer), renderer, heldout, k=4, max_tokens=96)
 
+    print(f"held-out code tasks, base: {before.metrics()}\nafter {STEPS} RL steps: {after.metrics()}")  # pytest -s shows it
     assert after.sampled_pass_at_1 > before.sampled_pass_at_1 + 0.1, (before.metrics(), after.metrics())
     assert after.pass_at_1 >= before.pass_at_1 - 0.05  # greedy does not get worse
