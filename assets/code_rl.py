@@ -83,14 +83,18 @@ CODE_RL = TrainingSpec(
     build=build_code_rl,
     parent_assets=("sft_checkpoint",),
     default_init_from="",
+    # Measured on SmolLM2-135M-Instruct (README): 8 steps of 4 groups × 4 at a constant 4e-4, rank 16, lift
+    # held-out sampled pass@1 from 0.35 to 0.53; the defaults run twice as long.
     defaults={
         "env": CODE_ENV,
-        "group_size": 8,
-        "groups_per_batch": 8,
+        "group_size": 4,
+        "groups_per_batch": 4,
         "max_tokens": TRAIN_MAX_TOKENS,
-        "learning_rate": 1e-4,
-        "save_every": 10,
-        "max_steps": 40,
+        "learning_rate": 4e-4,
+        "lr_schedule": "constant",
+        "lora_rank": 16,
+        "save_every": 4,
+        "max_steps": 16,
     },
     description="Code RL (GRPO-style group advantages, programs graded by their tests in the sandbox); every saved "
     "checkpoint becomes a `code_rl_checkpoints` partition.",
@@ -119,7 +123,7 @@ CODE_RL_EVAL = EvalSpec(
     training=CODE_RL,
     data_assets=(CODE_PROBLEMS_ASSET,),
     evaluators=code_rl_evaluators,
-    score_metric="pass@1",
+    score_metric="accuracy",  # greedy pass rate on the held-out generated tasks
     config_defaults={"max_tokens": EVAL_MAX_TOKENS},
 )
 code_rl_eval_report = build_eval_asset(CODE_RL_EVAL)

@@ -1,17 +1,18 @@
-"""pass@1 (greedy) and pass@k (sampled, unbiased) on code problems, every program run in the sandbox.
+"""Greedy pass rate and pass@k (sampled, unbiased) on code problems, every program run in the sandbox.
 
-Per problem the policy answers once greedily (``top_k=1``: the reproducible pass@1 an eval report
-compares) and ``num_samples`` times at ``temperature`` (default 1); pass@k is the unbiased estimate
+Per problem the policy answers once greedily (``top_k=1``: the reproducible ``accuracy`` an eval report
+compares, named like every recipe's greedy task score) and ``num_samples`` times at ``temperature`` (default 1); pass@k is the unbiased estimate
 1 − C(n−c, k)/C(n, k) from those n samples with c passing (``posttrain.eval.pass_at_k.pass_at_k``),
 averaged over problems. Answers are asked for and graded exactly as in code RL
 (``posttrain.rl.envs.code_env.code_messages``, ``posttrain.rl.code_reward``): the program is the last
 fenced block, and it passes when every test does.
 
 Every sampling request is submitted before any is awaited, and each program is queued on the sandbox
-pool as soon as its answer is read. Metric names are unprefixed by default (``pass@1``, ``pass@4``,
-``pass@1_sampled`` = c/n over the temperature samples, ``format_rate``, ``num_problems``);
-``prefix="humaneval/"`` keeps two suites apart in one report. A small instruct model can be far better
-greedy than sampled at temperature 1, so ``pass@1_sampled`` is where RL shows first.
+pool as soon as its answer is read. Metric names are unprefixed by default (``accuracy`` = greedy pass
+rate, ``pass@1`` = c/n over the temperature samples — the unbiased pass@1, as in every recipe's report —
+``pass@4``, ``format_rate``, ``num_problems``); ``prefix="humaneval/"`` keeps two suites apart in one
+report. A small instruct model can be far better greedy than sampled at temperature 1, so ``pass@1`` is
+where RL shows first.
 """
 
 from __future__ import annotations
@@ -55,11 +56,11 @@ class CodePassResult:
     samples: list[CodeSample] = field(default_factory=list)
 
     def metrics(self, prefix: str = "") -> dict[str, float]:
-        found = {f"{prefix}pass@1": self.pass_at_1, f"{prefix}format_rate": self.format_rate, f"{prefix}num_problems": float(self.num_problems)}
+        found = {f"{prefix}accuracy": self.pass_at_1, f"{prefix}format_rate": self.format_rate, f"{prefix}num_problems": float(self.num_problems)}
+        if self.sampled_pass_at_1 is not None:
+            found[f"{prefix}pass@1"] = self.sampled_pass_at_1
         if self.pass_at_k is not None:
             found[f"{prefix}pass@{self.k}"] = self.pass_at_k
-        if self.sampled_pass_at_1 is not None:
-            found[f"{prefix}pass@1_sampled"] = self.sampled_pass_at_1
         return found
 
     def sample_dicts(self) -> list[dict[str, Any]]:
@@ -116,7 +117,7 @@ def evaluate_code_pass(
 
 class CodePassEvaluator:
     """An :class:`~posttrain.eval.base.Evaluator` reporting ``{prefix}pass@1`` (greedy), ``{prefix}pass@{k}``,
-    ``{prefix}pass@1_sampled``, ``{prefix}format_rate`` and ``{prefix}num_problems``.
+    ``{prefix}pass@1`` (sampled), ``{prefix}format_rate`` and ``{prefix}num_problems``.
 
     ``renderer`` may be a renderer name (built on first use over the target's tokenizer); ``settings``
     go to :func:`evaluate_code_pass` (k, num_samples, max_tokens, seed, limits, pool ...). The last

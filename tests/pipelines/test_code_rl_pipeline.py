@@ -100,7 +100,7 @@ def test_eval_report_scores_held_out_tasks_and_humaneval_against_the_base(code_r
     partition = code_rl_run.requested[-1]
     table = pq.read_table(code_rl_run.state / "parquet" / "code_rl_eval_report" / f"{partition}.parquet")
     rows = {row["metric"]: row for row in table.to_pylist()}
-    scored = ("pass@1", "pass@2", "humaneval/pass@1", "humaneval/pass@2", "format_rate", "humaneval/format_rate")
+    scored = ("accuracy", "pass@1", "pass@2", "humaneval/accuracy", "humaneval/pass@1", "humaneval/pass@2", "format_rate", "humaneval/format_rate")
     assert set(scored) <= set(rows)
     for metric in scored:
         assert 0.0 <= rows[metric]["checkpoint"] <= 1.0 and rows[metric]["base"] is not None and rows[metric]["parent"] is None
