@@ -89,7 +89,7 @@ def run(values: dict[str, Any]) -> dict[str, Any]:
             train_data,
             service_client,
             evaluators=evaluators,
-            metrics_loggers=[JsonlMetricsLogger(Path(config.log_dir) / METRICS_FILE)],
+            metrics_loggers=[JsonlMetricsLogger(Path(config.training.log_dir) / METRICS_FILE)],
             progress_logger=ConsoleMetricsLogger(keys=("loss", "learning_rate", "tokens_per_second")),
         )
         status = "success"

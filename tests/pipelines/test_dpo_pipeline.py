@@ -197,7 +197,9 @@ def test_dpo_eval_report_scores_pair_accuracy_accuracy_and_win_rate_against_the_
     for metric in ("pair_accuracy", "win_rate", "accuracy"):
         assert 0.0 <= rows[metric]["checkpoint"] <= 1.0 and rows[metric]["parent"] is not None and rows[metric]["base"] is not None
     assert rows["win_rate"]["parent"] == 0.5  # the parent against itself: all ties
-    assert rows["pair_accuracy"]["parent"] == 0.0  # the parent is the reference: every margin is exactly 0
+    # The parent is the reference: its margins are 0 up to sampler/trainer float noise (~1e-6), so its pair
+    # accuracy is a coin toss on that noise and only its margin is meaningful.
+    assert abs(rows["margin"]["parent"]) < 1e-3
     report = _metadata(dpo_run.evaluation, "dpo_eval_report")["report"]
     assert "| pair_accuracy |" in report and "| win_rate |" in report
 

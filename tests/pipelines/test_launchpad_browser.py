@@ -52,7 +52,7 @@ def test_sft_training_launched_from_the_launchpad_succeeds(dagster_instance, pro
             status = _wait_for_run(dagster_instance, run_id, timeout_s=600)
             assert status == dg.DagsterRunStatus.SUCCESS
             assert dagster_instance.get_run_by_id(run_id).job_name == "sft_train"
-            assert dagster_instance.get_dynamic_partitions("checkpoints")
+            assert dagster_instance.get_dynamic_partitions("sft_checkpoints")
             page.reload()
             page.get_by_text("Success", exact=True).first.wait_for(timeout=60_000)
             browser.close()

@@ -74,8 +74,10 @@ def test_failed_write_leaves_nothing_and_keeps_the_previous_file(tmp_path: Path,
     with pytest.raises(OSError, match="disk full"):
         manager.dump_to_path(context, pa.table({"v": [2]}), target)
     monkeypatch.undo()
-    assert sorted(p.name for p in Path(tmp_path).iterdir()) == ["t.parquet"]
+    assert sorted(p.name for p in Path(tmp_path).iterdir()) == ["t.parquet", "t.versions"]
     assert pq.read_table(tmp_path / "t.parquet").column("v").to_pylist() == [1]
+    (kept,) = (Path(tmp_path) / "t.versions").iterdir()  # only the successful write left a version
+    assert pq.read_table(kept).column("v").to_pylist() == [1]
 
 
 def test_non_table_output_is_rejected_without_writing(tmp_path: Path):
@@ -98,4 +100,24 @@ def test_memory_filesystem_through_fsspec():
     manager.dump_to_path(dg.build_output_context(asset_key=dg.AssetKey("x")), pa.table({"v": [7]}), target)
     loaded = manager.load_from_path(dg.build_input_context(asset_key=dg.AssetKey("x")), target)
     assert loaded.column("v").to_pylist() == [7]
-    assert [p.name for p in target.parent.iterdir()] == ["x.parquet"]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["x.parquet", "x.versions"]
+
+
+def test_every_materialization_keeps_an_immutable_version_named_in_its_metadata(tmp_path: Path):
+    """A checkpoint's manifest records this path, so its eval reads the data it was trained on after a re-run."""
+    values = iter([[1, 2], [3]])
+
+    @dg.asset
+    def versioned() -> pa.Table:
+        return pa.table({"v": next(values)})
+
+    (tmp_path / "home").mkdir()
+    with dg.instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
+        paths = []
+        for _ in range(2):
+            result = dg.materialize([versioned], instance=instance, resources={"io_manager": ParquetIOManager(base_dir=str(tmp_path))})
+            (materialization,) = result.asset_materializations_for_node("versioned")
+            paths.append(materialization.metadata["parquet/version_path"].value)
+    assert paths[0] != paths[1]
+    assert [pq.read_table(p).column("v").to_pylist() for p in paths] == [[1, 2], [3]]
+    assert pq.read_table(tmp_path / "versioned.parquet").column("v").to_pylist() == [3]

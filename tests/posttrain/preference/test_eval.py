@@ -30,7 +30,8 @@ def test_pair_accuracy_at_init_is_a_tie_against_the_reference(service_client):
     metrics = PairAccuracyEvaluator(pairs, reference, beta=0.1, prefix="heldout/")(EvalTarget(training_client=training_client))
     assert metrics["heldout/dpo_loss"] == pytest.approx(math.log(2), abs=1e-4)
     assert metrics["heldout/margin"] == pytest.approx(0.0, abs=1e-3)
-    assert metrics["heldout/pair_accuracy"] == 0.0 and metrics["heldout/num_pairs"] == 3.0
+    # Margins are 0 up to sampler/trainer float noise (~1e-6): pair accuracy (strictly greater) is not asserted.
+    assert metrics["heldout/num_pairs"] == 3.0
 
 
 def test_a_reference_for_other_pairs_is_refused(service_client):
