@@ -48,7 +48,7 @@ SFT_STAGE = DemoStage(
 # a prompt with a right and a wrong answer gives a pair (about 2/3 of prompts at ~75% accuracy). The
 # reference is the SFT checkpoint (the DPO run's start), scored once by reference_logprobs.
 DEMO_ONPOLICY = {"sampler": "latest:sft", "group_size": 4, "max_tokens": 24, "temperature": 1.0, "limit": 160}
-DEMO_DPO = {"beta": 0.1, "learning_rate": 1e-4, "batch_size": 8, "num_epochs": 2, "save_every": 10, "lora_rank": 16}
+DEMO_DPO = {"beta": 0.1, "learning_rate": 2e-5, "batch_size": 8, "num_epochs": 1, "save_every": 5, "lora_rank": 16}
 DPO_STAGE = DemoStage(
     "dpo",
     {
