@@ -95,3 +95,51 @@ def _resolve(reference: str, alias_lookup) -> ParentCheckpoint:
             "(`python -m pipelines lineage --list`), latest:<recipe>, best:<recipe>, or <registered model>/<version>"
         ) from None
     return ParentCheckpoint(manifest.state_path or "", manifest)
+
+
+@dataclass(frozen=True)
+class SamplerModel:
+    """A model to sample or score with: a checkpoint's sampler weights, or the base model itself."""
+
+    base_model: str
+    sampler_path: str | None  # None: the base model's own weights
+    manifest: CheckpointManifest | None  # the registered checkpoint, when there is one
+
+    @property
+    def partition(self) -> str | None:
+        return self.manifest.partition if self.manifest else None
+
+
+def resolve_sampler(
+    reference: str,
+    *,
+    base_model: str,
+    what: str,
+    alias_lookup: Callable[[str, str], str] | None = None,
+    same_base_model: bool = True,
+) -> SamplerModel:
+    """The sampler weights ``reference`` names (the forms of :func:`resolve_init_from`, or a
+    ``tinker://.../sampler_weights/...`` path); empty = ``base_model`` itself. ``what`` names the field in errors.
+    ``same_base_model=False`` allows a checkpoint of another base model (a distillation teacher)."""
+    reference = reference.strip()
+    if not reference:
+        return SamplerModel(base_model, None, None)
+    if reference.startswith("tinker://") and "/sampler_weights/" in reference:
+        try:
+            manifest = find_manifest(reference)
+        except LookupError:  # an unregistered sampler path: assume the base model, as Tinker would load it
+            return SamplerModel(base_model, reference, None)
+    else:
+        try:
+            parent = resolve_init_from(reference, alias_lookup=alias_lookup, base_model=base_model if same_base_model else None)
+        except InitFromError as error:
+            raise InitFromError(f"{what}: {error}") from error
+        if parent is None or parent.manifest is None:
+            raise InitFromError(
+                f"{what}={reference!r} is an unregistered training state without sampler weights: pass its "
+                "tinker://.../sampler_weights/... path or a registered checkpoint (partition key, latest:<recipe>, best:<recipe>)"
+            )
+        manifest = parent.manifest
+    if not manifest.sampler_path:
+        raise InitFromError(f"{what}={reference!r}: checkpoint {manifest.partition} has no sampler weights")
+    return SamplerModel(manifest.base_model, manifest.sampler_path, manifest)

@@ -22,8 +22,8 @@ import pyarrow as pa
 from pydantic import Field
 
 from assets.base_model import BASE_MODEL_KEY
-from assets.chaining import InitFromError, resolve_init_from
-from assets.checkpoint_manifest import CheckpointManifest, find_manifest
+from assets.chaining import InitFromError, resolve_sampler
+from assets.checkpoint_manifest import CheckpointManifest
 from assets.datasets import (
     DATA_GROUP,
     blocking,
@@ -72,30 +72,18 @@ DEFAULT_SYSTEM_PROMPT = "You are a careful calculator. Think briefly, then end w
 
 
 def resolve_teacher(reference: str, base_model: str, mlflow: MlflowResource | None) -> tuple[Teacher, CheckpointManifest | None]:
-    """The teacher ``reference`` names (empty = the base model), with its manifest when it is registered."""
-    reference = reference.strip()
-    if not reference:
-        return Teacher(base_model, base_model, None, tokenizer_identity(load_tokenizer(base_model), base_model)), None
-    if reference.startswith("tinker://") and "/sampler_weights/" in reference:
-        try:
-            manifest = find_manifest(reference)
-        except LookupError:  # an unregistered sampler path: assume the student's base model, as Tinker would load it
-            return Teacher(reference, base_model, reference, tokenizer_identity(load_tokenizer(base_model), base_model)), None
-    else:
-        try:
-            parent = resolve_init_from(reference, alias_lookup=mlflow.alias_partition if mlflow else None)
-        except InitFromError as error:
-            raise dg.Failure(f"teacher {reference!r}: {error}") from error
-        if parent is None or parent.manifest is None:
-            raise dg.Failure(
-                f"teacher {reference!r} is an unregistered training state; pass its tinker://.../sampler_weights/... path "
-                "or a registered checkpoint (partition key, latest:<recipe>, best:<recipe>)"
-            )
-        manifest = parent.manifest
-    if not manifest.sampler_path:
-        raise dg.Failure(f"teacher {reference!r} ({manifest.partition}) has no sampler weights to score with")
-    identity = tokenizer_identity(load_tokenizer(manifest.base_model), manifest.base_model)
-    return Teacher(manifest.partition, manifest.base_model, manifest.sampler_path, identity), manifest
+    """The teacher ``reference`` names (``assets.chaining.resolve_sampler``; empty = the base model), with its
+    manifest when it is registered. A teacher may have another base model: its tokenizer is checked later."""
+    try:
+        found = resolve_sampler(
+            reference, base_model=base_model, what=f"teacher {reference!r}",
+            alias_lookup=mlflow.alias_partition if mlflow else None, same_base_model=False,
+        )
+    except InitFromError as error:
+        raise dg.Failure(str(error)) from error
+    name = found.partition or found.sampler_path or found.base_model
+    identity = tokenizer_identity(load_tokenizer(found.base_model), found.base_model)
+    return Teacher(name, found.base_model, found.sampler_path, identity), found.manifest
 
 
 def teacher_lineage(dataset: str, teacher: Teacher, manifest: CheckpointManifest | None) -> dict:

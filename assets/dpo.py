@@ -34,8 +34,8 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from assets.base_model import BASE_MODEL_KEY
-from assets.chaining import InitFromError, ParentCheckpoint, resolve_init_from
-from assets.checkpoint_manifest import CheckpointManifest, find_manifest, read_manifest
+from assets.chaining import InitFromError, ParentCheckpoint, resolve_sampler
+from assets.checkpoint_manifest import CheckpointManifest, read_manifest
 from assets.datasets import (
     DATA_GROUP,
     blocking,
@@ -112,30 +112,12 @@ class ReferenceModel:
 
 
 def resolve_model(reference: str, base_model: str, mlflow: MlflowResource | None, field: str) -> ReferenceModel:
-    """The model ``reference`` names: empty = ``base_model``; a partition key, ``latest:<recipe>``,
-    ``best:<recipe>``, ``<registered model>/<version>`` or a ``tinker://`` path (see ``assets.chaining``)."""
-    reference = reference.strip()
-    if not reference:
-        return ReferenceModel(base_model)
-    if reference.startswith("tinker://") and "/sampler_weights/" in reference:
-        try:
-            manifest = find_manifest(reference)
-        except LookupError:
-            return ReferenceModel(base_model, reference)
-    else:
-        try:
-            parent = resolve_init_from(reference, alias_lookup=mlflow.alias_partition if mlflow else None, base_model=base_model)
-        except InitFromError as error:
-            raise dg.Failure(f"{field}={reference!r}: {error}") from error
-        if parent is None or parent.manifest is None:
-            raise dg.Failure(
-                f"{field}={reference!r} is an unregistered training state without sampler weights: pass its "
-                "tinker://.../sampler_weights/... path or a registered checkpoint (partition key, latest:<recipe>)"
-            )
-        manifest = parent.manifest
-    if not manifest.sampler_path:
-        raise dg.Failure(f"{field}={reference!r}: checkpoint {manifest.partition} has no sampler weights")
-    return ReferenceModel(manifest.base_model, manifest.sampler_path, manifest.partition)
+    """The model ``reference`` names (``assets.chaining.resolve_sampler``): empty = ``base_model``."""
+    try:
+        found = resolve_sampler(reference, base_model=base_model, what=field, alias_lookup=mlflow.alias_partition if mlflow else None)
+    except InitFromError as error:
+        raise dg.Failure(str(error)) from error
+    return ReferenceModel(found.base_model, found.sampler_path, found.partition)
 
 
 def materialized_base_model(context: dg.AssetExecutionContext, tinker: TinkerResource) -> str:

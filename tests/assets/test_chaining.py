@@ -2,7 +2,7 @@
 
 import pytest
 
-from assets.chaining import InitFromError, resolve_init_from
+from assets.chaining import InitFromError, SamplerModel, resolve_init_from
 from assets.checkpoint_manifest import CheckpointManifest, write_manifest
 
 
@@ -46,3 +46,21 @@ def test_unresolvable_or_incompatible_references_say_what_to_pass(project_state)
         def missing(model, alias):
             raise LookupError(f"registered model {model!r} has no alias {alias!r}")
         resolve_init_from("best:sft", alias_lookup=missing)
+
+
+def test_a_sampler_reference_resolves_to_sampler_weights_or_the_base_model(project_state):
+    from assets.chaining import resolve_sampler
+
+    registered = _manifest("sft-aaaa-000010", base="m")
+    assert resolve_sampler("", base_model="m", what="sampler") == SamplerModel("m", None, None)
+    by_key = resolve_sampler("latest:sft", base_model="m", what="sampler")
+    assert by_key.sampler_path == registered.sampler_path and by_key.partition == registered.partition
+    assert resolve_sampler(registered.sampler_path, base_model="m", what="sampler").manifest == registered
+    raw = resolve_sampler("tinker://elsewhere/sampler_weights/000001", base_model="m", what="sampler")
+    assert raw == SamplerModel("m", "tinker://elsewhere/sampler_weights/000001", None)
+    with pytest.raises(InitFromError, match="teacher: init_from='sft-aaaa-000010' is a checkpoint of 'm', but this run trains 'other'"):
+        resolve_sampler("sft-aaaa-000010", base_model="other", what="teacher")
+    other_base = resolve_sampler("sft-aaaa-000010", base_model="other", what="teacher", same_base_model=False)
+    assert other_base.base_model == "m"  # a teacher may be another model; its tokenizer is checked by the recipe
+    with pytest.raises(InitFromError, match="unregistered training state without sampler weights"):
+        resolve_sampler("tinker://elsewhere/weights/000001", base_model="m", what="sampler")
