@@ -202,8 +202,10 @@ def _materialize(spec, context, config, tinker: TinkerResource, mlflow: MlflowRe
             progress_logger=ConsoleMetricsLogger(every_seconds=5.0, keys=("loss", "reward/mean", "learning_rate", "tokens_per_second")),
             on_checkpoint=lambda record: lineage.register(run, record),
         )
+        registered_now = {record.name for record in result.new_checkpoints}
         for record in result.checkpoints:  # a resumed run registers what a killed attempt may have missed
-            lineage.register(run, record)
+            if record.name not in registered_now:
+                lineage.register(run, record)
         run.set_tags({"posttrain.total_steps": result.total_steps, "posttrain.start_step": result.start_step})
     return dg.MaterializeResult(
         metadata=lineage.metadata(result, run, tinker, time.monotonic() - started),
