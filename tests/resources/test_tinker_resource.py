@@ -5,6 +5,7 @@ import pytest
 import tinker
 
 from resources.tinker import EMBEDDED_SERVERS, EXISTING_LOCAL_SERVER_KEY, TinkerResource
+from tests.fixtures.server import TINY_MODEL
 
 SECRET = "tml-this-is-a-secret-key"
 
@@ -69,3 +70,20 @@ def test_embedded_localtinker_is_started_once_per_process_and_serves_the_real_sd
         assert len(response.sequences[0].tokens) == 3
     finally:
         EMBEDDED_SERVERS.stop_all()
+
+
+def test_a_failed_step_closes_its_tinker_session_as_errored_with_the_reason(tinker_server):
+    registry = tinker_server.service.registry
+    before = set(registry.sessions)
+    resource = TinkerResource(backend="local", base_url=tinker_server.base_url)
+    with pytest.raises(RuntimeError, match="diverged"):
+        with resource.session("sft_checkpoint 1a2b3c4d") as client:
+            client.create_sampling_client(base_model=TINY_MODEL)  # opens the Tinker session
+            raise RuntimeError("loss diverged")
+    (new,) = set(registry.sessions) - before
+    assert registry.sessions[new].finished == "errored"
+
+    with resource.session("sft_checkpoint 5e6f7a8b") as client:
+        client.create_sampling_client(base_model=TINY_MODEL)  # a step that succeeds keeps its session open
+    (second,) = set(registry.sessions) - before - {new}
+    assert registry.sessions[second].finished is None
