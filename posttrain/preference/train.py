@@ -19,19 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-import tinker
 
 from posttrain.datasets.schemas import HELDOUT_SPLIT, TRAIN_SPLIT
-from posttrain.metrics import METRICS_FILE, ConsoleMetricsLogger, JsonlMetricsLogger
 from posttrain.preference.data import PreferencePairs, pairs_from_table
 from posttrain.preference.recipe import DpoConfig, DpoRecipe
 from posttrain.supervised.train import load_config_argument
 from posttrain.training.config import config_from_dict
-from posttrain.training.core import train
+from posttrain.training.script import run_script
 
 _SCRIPT_KEYS = ("train_data", "eval_split", "reference", "base_url")
 
@@ -54,29 +51,10 @@ def run(values: dict[str, Any]) -> dict[str, Any]:
     config = config_from_dict(DpoConfig, values)
     recipe = build_recipe(config, script)
     evaluators = [recipe.heldout_evaluator()] if recipe.heldout is not None else []
-    service_client = tinker.ServiceClient(base_url=script.get("base_url"))
-    status = "errored"
-    try:
-        result = train(
-            config.training, recipe, service_client, evaluators=evaluators,
-            metrics_loggers=[JsonlMetricsLogger(Path(config.training.log_dir) / METRICS_FILE)],
-            progress_logger=ConsoleMetricsLogger(keys=("dpo_loss", "accuracy", "margin", "learning_rate")),
-        )
-        status = "success"
-    except KeyboardInterrupt:
-        status = "interrupted"
-        raise
-    finally:
-        service_client.close(status).result(timeout=60)
-    return {
-        "log_dir": result.log_dir,
-        "total_steps": result.total_steps,
-        "start_step": result.start_step,
-        "state_path": result.state_path,
-        "sampler_path": result.sampler_path,
-        "checkpoints": [record.name for record in result.checkpoints],
-        "final_metrics": result.final_metrics,
-    }
+    return run_script(
+        config.training, recipe, base_url=script.get("base_url"), evaluators=evaluators,
+        progress_keys=("dpo_loss", "accuracy", "margin", "learning_rate"),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,14 +27,13 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import tinker
 
 from posttrain.datasets.schemas import HELDOUT_SPLIT, TRAIN_SPLIT
 from posttrain.eval import AccuracyEvaluator, Evaluator, NllEvaluator, problems_from_table
-from posttrain.metrics import METRICS_FILE, ConsoleMetricsLogger, JsonlMetricsLogger
 from posttrain.supervised.config import SupervisedConfig
 from posttrain.supervised.data import RenderedTokens
-from posttrain.supervised.loop import train_supervised
+from posttrain.supervised.recipe import SupervisedRecipe
+from posttrain.training.script import run_script
 
 _SCRIPT_KEYS = (
     "train_data", "train_split", "eval_split", "eval_problems", "eval_problem_limit", "accuracy_max_tokens",
@@ -81,32 +80,11 @@ def run(values: dict[str, Any]) -> dict[str, Any]:
     table = pq.read_table(script["train_data"])
     train_data = RenderedTokens(table, split=script.get("train_split", TRAIN_SPLIT))
     evaluators = build_evaluators(table, script)
-    service_client = tinker.ServiceClient(base_url=script.get("base_url"))
-    status = "errored"
-    try:
-        result = train_supervised(
-            config,
-            train_data,
-            service_client,
-            evaluators=evaluators,
-            metrics_loggers=[JsonlMetricsLogger(Path(config.training.log_dir) / METRICS_FILE)],
-            progress_logger=ConsoleMetricsLogger(keys=("loss", "learning_rate", "tokens_per_second")),
-        )
-        status = "success"
-    except KeyboardInterrupt:
-        status = "interrupted"
-        raise
-    finally:
-        service_client.close(status).result(timeout=60)
-    return {
-        "log_dir": result.log_dir,
-        "total_steps": result.total_steps,
-        "start_step": result.start_step,
-        "state_path": result.state_path,
-        "sampler_path": result.sampler_path,
-        "checkpoints": [record.name for record in result.checkpoints],
-        "final_metrics": result.final_metrics,
-    }
+    recipe = SupervisedRecipe(config, train_data)
+    return run_script(
+        config.training, recipe, base_url=script.get("base_url"), evaluators=evaluators,
+        progress_keys=("loss", "learning_rate", "tokens_per_second"),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
