@@ -34,7 +34,7 @@ GOAL = 1.2
 
 def shared_config(args: argparse.Namespace) -> dict:
     return {
-        "chat": {"limit": args.rows, "heldout_fraction": 0.1},
+        "chat": {"source": "reasoning_gym:basic_arithmetic,chain_sum", "limit": args.rows, "heldout_fraction": 0.1},
         "train": {"batch_size": 8, "max_steps": args.steps, "save_every": args.save_every, "learning_rate": 5e-4, "lora_rank": 16},
     }
 
@@ -48,16 +48,17 @@ def run_plain(config: dict, model: str, state: Path) -> None:
     from posttrain.supervised.config import SupervisedConfig
     from posttrain.supervised.data import RenderedTokens
     from posttrain.supervised.loop import train_supervised
+    from posttrain.training.config import config_from_dict
     import tinker
 
     from localtinker.server import start_server
     from resources.models import load_tokenizer
 
-    chat = load(LoadSpec(kind="chat", source="reasoning_gym:basic_arithmetic,chain_sum", **config["chat"])).table
+    chat = load(LoadSpec(kind="chat", **config["chat"])).table
     tokens = render_chat_table(chat, get_renderer("chatml", load_tokenizer(model)), "last_assistant_message", 2048)
     heldout = RenderedTokens(tokens, split="heldout")
-    supervised = SupervisedConfig(base_model=model, log_dir=str(state / "plain"), **config["train"])
-    server = start_server(state / "tinker", dtype="bfloat16", api_key="tml-bench")
+    supervised = config_from_dict(SupervisedConfig, {"base_model": model, "log_dir": str(state / "plain"), **config["train"]})
+    server = start_server(state / "tinker", dtype="float32", api_key="tml-bench")
     client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-bench")
     train_supervised(
         supervised,
@@ -81,7 +82,6 @@ def run_dagster(config: dict, model: str, state: Path) -> None:
     run_config = {
         "ops": {
             "chat_dataset": {"config": config["chat"]},
-            "rendered_tokens": {"config": {"base_model": model}},
             "sft_checkpoint": {"config": config["train"]},
         }
     }
@@ -100,7 +100,7 @@ def timed_subprocess(mode: str, args: argparse.Namespace) -> float:
             "POSTTRAIN_STATE_DIR": tmp,
             "DAGSTER_HOME": f"{tmp}/dagster",
             "POSTTRAIN_BASE_MODEL": args.model,
-            "LOCALTINKER_DTYPE": "bfloat16",
+            "LOCALTINKER_DTYPE": "float32",  # the product's default on both sides
             "HF_HUB_OFFLINE": "1",
             "TINKER_TELEMETRY": "0",
         }

@@ -40,6 +40,7 @@ from localtinker.server import start_server
 from posttrain.preference.data import Pair, Side
 from posttrain.preference.dpo import dpo_loss_fn
 from posttrain.preference.reference import compute_reference_logprobs
+from measure import Bf16Probe
 
 PAIRS, PROMPT, COMPLETION, RANK, BETA, LEARNING_RATE = 4, 64, 64, 16, 0.1, 1e-5
 
@@ -134,6 +135,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}, engine dtype: {args.dtype}", flush=True)
+    probe = Bf16Probe()
+    print(probe.note(), flush=True)
     batches = [make_pairs(seed) for seed in range(args.steps + 1)]
     with tempfile.TemporaryDirectory() as storage, start_server(storage, dtype=args.dtype) as server:
         service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-local")
@@ -141,12 +144,13 @@ def main() -> None:
         table = compute_reference_logprobs(sampler, [pair for batch in batches for pair in batch]).to_pydict()
         reference = dict(zip(table["row_id"], zip(table["chosen_ref_logprob_sum"], table["rejected_ref_logprob_sum"])))
         ours = Ours(server.base_url, reference)
-        runners = {
-            "ours DPO (SDK forward_backward_custom)": ours.dpo_step,
-            "ours SFT (SDK forward_backward cross_entropy)": ours.sft_step,
-            "baseline DPO float32 (transformers+peft)": Baseline(reference, autocast=False).dpo_step,
-            "baseline DPO bf16 autocast (transformers+peft)": Baseline(reference, autocast=True).dpo_step,
+        builders = {
+            "ours DPO (SDK forward_backward_custom)": lambda: ours.dpo_step,
+            "ours SFT (SDK forward_backward cross_entropy)": lambda: ours.sft_step,
+            "baseline DPO float32 (transformers+peft)": lambda: Baseline(reference, autocast=False).dpo_step,
+            "baseline DPO bf16 autocast (transformers+peft)": lambda: Baseline(reference, autocast=True).dpo_step,
         }
+        runners = {name: build() for name, build in probe.select(builders).items()}
         for step in runners.values():
             step(batches[0])  # warm-up
         seconds = {name: 0.0 for name in runners}

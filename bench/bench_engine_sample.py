@@ -27,7 +27,7 @@ import torch
 from localtinker.engine.api import DatumArrays, LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.packaged import SMOLLM2_NAME, smollm2_hf_dir
-from measure import FlopModel, mm_peak_gflops, report
+from measure import Bf16Probe, FlopModel, mm_peak_gflops, report
 
 PROMPTS, NEW_TOKENS = 32, 16
 TOPICS = ["the sea", "a cat", "prime numbers", "Paris", "rain", "a robot", "tea", "autumn"]
@@ -124,13 +124,16 @@ def main() -> None:
     prompt_tokens = prompts(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir(), dtype=torch.float32).eval()
     flops = useful_flops(FlopModel(model.config), prompt_tokens)
+    probe = Bf16Probe()
+    print(probe.note())
     with tempfile.TemporaryDirectory() as storage:
-        runners = {
-            "baseline generate float32": Baseline(tokenizer, model, autocast=False),
-            "baseline generate bf16 autocast": Baseline(tokenizer, model, autocast=True),
-            "ours LocalEngine float32": Ours(Path(storage) / "f32", "float32"),
-            "ours LocalEngine bfloat16": Ours(Path(storage) / "bf16", "bfloat16"),
+        builders = {
+            "baseline generate float32": lambda: Baseline(tokenizer, model, autocast=False),
+            "baseline generate bf16 autocast": lambda: Baseline(tokenizer, model, autocast=True),
+            "ours LocalEngine float32": lambda: Ours(Path(storage) / "f32", "float32"),
+            "ours LocalEngine bfloat16": lambda: Ours(Path(storage) / "bf16", "bfloat16"),
         }
+        runners = {name: build() for name, build in probe.select(builders).items()}
         for runner in runners.values():
             runner.run(prompt_tokens[:4])  # warm-up
         seconds = {name: 0.0 for name in runners}
@@ -144,7 +147,7 @@ def main() -> None:
         rates = {name: produced[name] / seconds[name] for name in runners}
         for name, rate in rates.items():
             print(f"{name}: {rate:.1f} new tokens/s ({produced[name]} tokens); {report(flops * args.repeats, seconds[name], peak)}")
-        baseline = max(rates["baseline generate float32"], rates["baseline generate bf16 autocast"])
+        baseline = max(rate for name, rate in rates.items() if name.startswith("baseline"))
         ratio = rates["ours LocalEngine float32"] / baseline
         print(f"ratio = ours float32 / faster baseline = {ratio:.2f} (goal >= 1.5)")
         for name in ("ours LocalEngine float32", "ours LocalEngine bfloat16"):

@@ -30,7 +30,7 @@ from localtinker.engine.api import AdamSpec, DatumArrays, LoraSpec
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.lora import target_module_names
 from localtinker.engine.packaged import SMOLLM2_NAME, smollm2_hf_dir
-from measure import FlopModel, mm_peak_gflops, report
+from measure import Bf16Probe, FlopModel, mm_peak_gflops, report
 
 BATCH, MICRO_BATCH, RANK = 16, 4, 16
 MIN_LENGTH, MAX_LENGTH = 20, 512
@@ -102,15 +102,18 @@ def main() -> None:
     from transformers import AutoConfig
 
     flop_model = FlopModel(AutoConfig.from_pretrained(smollm2_hf_dir()))
+    probe = Bf16Probe()
+    print(probe.note())
     batches = [make_batch(step + 1) for step in range(args.steps)]
     real_tokens = sum(len(row) - 1 for batch in batches for row in batch)
     flops = sum(2 * flop_model.forward(len(r) - 1, flop_model.causal_keys(len(r) - 1)) for b in batches for r in b)
     with tempfile.TemporaryDirectory() as storage:
-        runners = {
-            "baseline transformers+peft float32": Baseline(autocast=False),
-            "baseline transformers+peft bf16 autocast": Baseline(autocast=True),
-            "ours LocalEngine float32": Ours(Path(storage)),
+        builders = {
+            "baseline transformers+peft float32": lambda: Baseline(autocast=False),
+            "baseline transformers+peft bf16 autocast": lambda: Baseline(autocast=True),
+            "ours LocalEngine float32": lambda: Ours(Path(storage)),
         }
+        runners = {name: build() for name, build in probe.select(builders).items()}
         for runner in runners.values():
             runner.step(make_batch(0))  # warm-up
         baseline_runner = runners["baseline transformers+peft float32"]
@@ -122,12 +125,12 @@ def main() -> None:
                 runner.step(batch)
                 seconds[name] += time.perf_counter() - start
     peak = mm_peak_gflops()
-    rates = {name: real_tokens / value for name, value in seconds.items()}
     print(f"{real_tokens} real tokens in {args.steps} steps of {BATCH} rows")
+    rates = {name: real_tokens / value for name, value in seconds.items()}
     for name, rate in rates.items():
         print(f"{name}: {rate:.1f} real tokens/s; {report(flops, seconds[name], peak)}")
     print(f"baseline computes {baseline_runner.computed_tokens / real_tokens - 1:.0%} padding on top of the real tokens")
-    baseline = max(rates["baseline transformers+peft float32"], rates["baseline transformers+peft bf16 autocast"])
+    baseline = max(rate for name, rate in rates.items() if name.startswith("baseline"))
     print(f"ratio = ours / faster baseline = {rates['ours LocalEngine float32'] / baseline:.2f} (goal >= 1.5)")
 
 

@@ -28,7 +28,7 @@ from localtinker.engine.api import AdamSpec, DatumArrays, LoraSpec
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.lora import target_module_names
 from localtinker.engine.packaged import SMOLLM2_NAME, smollm2_hf_dir
-from measure import FlopModel, mm_peak_gflops, report
+from measure import Bf16Probe, FlopModel, mm_peak_gflops, report
 
 BATCH, LENGTH, RANK = 8, 128, 16
 
@@ -96,13 +96,16 @@ def main() -> None:
     from transformers import AutoConfig
 
     flop_model = FlopModel(AutoConfig.from_pretrained(smollm2_hf_dir()))
+    probe = Bf16Probe()
+    print(probe.note())
     with tempfile.TemporaryDirectory() as storage:
-        runners = {
-            "baseline transformers+peft float32": Baseline(autocast=False),
-            "baseline transformers+peft bf16 autocast": Baseline(autocast=True),
-            "ours LocalEngine float32": Ours(Path(storage) / "f32", dtype="float32"),
-            "ours LocalEngine bfloat16": Ours(Path(storage) / "bf16", dtype="bfloat16"),
+        builders = {
+            "baseline transformers+peft float32": lambda: Baseline(autocast=False),
+            "baseline transformers+peft bf16 autocast": lambda: Baseline(autocast=True),
+            "ours LocalEngine float32": lambda: Ours(Path(storage) / "f32", dtype="float32"),
+            "ours LocalEngine bfloat16": lambda: Ours(Path(storage) / "bf16", dtype="bfloat16"),
         }
+        runners = {name: build() for name, build in probe.select(builders).items()}
         for runner in runners.values():
             runner.step(make_batch(0))  # warm-up
         seconds = {name: 0.0 for name in runners}
@@ -110,12 +113,11 @@ def main() -> None:
             for name, runner in runners.items():
                 seconds[name] += timed(runner.step, make_batch(step + 1))
     peak = mm_peak_gflops()
-    tokens = args.steps * BATCH * LENGTH
-    flops = args.steps * BATCH * 2 * flop_model.forward(LENGTH, flop_model.causal_keys(LENGTH))
-    rates = {name: tokens / value for name, value in seconds.items()}
+    step_flops = BATCH * 2 * flop_model.forward(LENGTH, flop_model.causal_keys(LENGTH))
+    rates = {name: args.steps * BATCH * LENGTH / value for name, value in seconds.items()}
     for name, rate in rates.items():
-        print(f"{name}: {rate:.1f} tokens/s; {report(flops, seconds[name], peak)}")
-    baseline = max(rates["baseline transformers+peft float32"], rates["baseline transformers+peft bf16 autocast"])
+        print(f"{name}: {rate:.1f} tokens/s; {report(args.steps * step_flops, seconds[name], peak)}")
+    baseline = max(rate for name, rate in rates.items() if name.startswith("baseline"))
     print(f"ratio = ours float32 / faster baseline = {rates['ours LocalEngine float32'] / baseline:.2f} (goal >= 1.3)")
 
 

@@ -20,7 +20,7 @@ The sides run one after the other (never at the same time), each in turn built, 
 step, timed for ``--repeats`` steps and dropped (three resident at once exceed this machine's memory);
 each reports the median step and its split into sampling, scoring and training. Torch uses every core (``--threads``, default ``os.cpu_count()``).
 
-Usage: ``python bench/bench_rl_step.py [--repeats 3] [--group-size 4] [--dtype bfloat16]``
+Usage: ``python bench/bench_rl_step.py [--repeats 3] [--group-size 4] [--dtype float32]``
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from posttrain.rl.envs.arithmetic import ArithmeticDataset
 from posttrain.rl.recipe import RLRecipe
 from posttrain.rl.types import Env, EnvGroupBuilder, RLDataset, StepResult
 from posttrain.training.config import TrainingConfig
+from measure import Bf16Probe
 
 RANK = 16
 LEARNING_RATE = 4e-5
@@ -337,7 +338,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=16, help="problems per step")
     parser.add_argument("--group-size", type=int, default=4, help="samples per problem")
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="localtinker engine dtype")
+    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"], help="localtinker engine dtype (float32: the product default)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, for every side")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -349,6 +350,8 @@ def main() -> None:
         get_renderer("chatml", tokenizer), group_size=args.group_size, groups_per_batch=args.groups, num_batches=args.repeats + 1, seed=0
     )
     print(f"machine before: {machine_state()}; torch threads {torch.get_num_threads()}")
+    probe = Bf16Probe()
+    print(probe.note())
     print(f"workload: {args.groups} problems x group {args.group_size} = {args.groups * args.group_size} samples, "
           f"<= {args.max_tokens} new tokens, LoRA rank {RANK}, SmolLM2-135M-Instruct")
     timed: dict[str, list[StepTimes]] = {}
@@ -360,7 +363,7 @@ def main() -> None:
             "baseline float32 (generate + peft + AdamW)": lambda: Baseline(tokenizer, dataset, args.group_size, args.max_tokens, autocast=False),
             "baseline bf16 autocast (generate + peft + AdamW)": lambda: Baseline(tokenizer, dataset, args.group_size, args.max_tokens, autocast=True),
         }
-        for name, build in sides.items():
+        for name, build in probe.select(sides).items():
             timed[name] = run_side(name, build(), args.repeats)
     medians = {name: summarize(name, steps) for name, steps in timed.items()}
     ours_name, *baseline_names = medians

@@ -5,7 +5,7 @@
 2. Overhead per run: run_python(program) vs a bare `subprocess.run([python, -c, program])` of the same
    program with the same interpreter. Goal: <= 30 ms per run.
 
-Run: .venv/bin/python bench/bench_sandbox.py [--runs 40]. Figures depend on machine load; say so when
+Run: .venv/bin/python bench/bench_sandbox.py [--runs 200]. Figures depend on machine load; say so when
 quoting them.
 """
 
@@ -58,7 +58,7 @@ def overhead_ms(runs: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=40)
+    parser.add_argument("--runs", type=int, default=200)  # the pool's ramp-up blurs fewer runs
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     load = os.getloadavg()[0]

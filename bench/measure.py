@@ -9,21 +9,67 @@ gradients are negligible). Peak = the best of a few square float32 ``torch.mm`` 
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 
 
-def mm_peak_gflops(size: int = 1024, repeats: int = 5) -> float:
-    """Best GFLOP/s of a float32 [size × size] @ [size × size] on the current torch threads."""
+# A bf16-autocast baseline is skipped when this CPU's bf16-autocast matmul runs below this fraction of its
+# float32 rate: such a CPU (AVX2, no AVX-512 bf16 / AMX) emulates bf16 (measured 1.4 vs 59 GFLOP/s on an
+# AVX2 EPYC), so the baseline is many times slower than the same loop in float32 and can never be the faster
+# baseline the headline ratio divides by; timing it would take most of the run. BENCH_BF16_BASELINES=always
+# times it anyway, =never skips it everywhere.
+EMULATED_BF16_BELOW = 0.5
+BF16_BASELINES_ENV = "BENCH_BF16_BASELINES"
+
+
+def mm_peak_gflops(size: int = 1024, repeats: int = 5, autocast_bf16: bool = False) -> float:
+    """Best GFLOP/s of a float32 [size × size] @ [size × size] on the current torch threads (under
+    ``torch.autocast(bfloat16)`` with ``autocast_bf16``)."""
     a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)
     best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
         torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best / 1e9
+
+
+class Bf16Probe:
+    """How fast this CPU runs bf16-autocast matmuls relative to float32, measured once per bench run, and
+    whether the bench's bf16-autocast baselines are timed (``times_bf16``): where bf16 is native, or when
+    ``BENCH_BF16_BASELINES=always``. ``note()`` says which and why; a bench prints it."""
+
+    def __init__(self) -> None:
+        self.float32_gflops = mm_peak_gflops(size=512)
+        self.bf16_gflops = mm_peak_gflops(size=512, autocast_bf16=True)
+        self.speed = self.bf16_gflops / self.float32_gflops
+        self.choice = os.environ.get(BF16_BASELINES_ENV, "auto")
+        if self.choice not in ("auto", "always", "never"):
+            raise SystemExit(f"{BF16_BASELINES_ENV}={self.choice!r}: use auto (default), always or never")
+
+    @property
+    def emulated(self) -> bool:
+        return self.speed < EMULATED_BF16_BELOW
+
+    @property
+    def times_bf16(self) -> bool:
+        return self.choice == "always" or (self.choice == "auto" and not self.emulated)
+
+    def select(self, runners: dict) -> dict:
+        """``runners`` without the bf16-autocast baselines (names containing "autocast") when they are skipped."""
+        return runners if self.times_bf16 else {name: r for name, r in runners.items() if "autocast" not in name}
+
+    def note(self) -> str:
+        head = f"bf16-autocast torch.mm {self.bf16_gflops:.1f} vs float32 {self.float32_gflops:.1f} GFLOP/s ({self.speed:.2f}x)"
+        if self.times_bf16:
+            return f"{head}: bf16-autocast baselines timed; the headline ratio divides by the faster baseline"
+        why = "no native bf16 on this CPU" if self.emulated else f"{BF16_BASELINES_ENV}=never"
+        return (f"{head}: {why}, so the bf16-autocast baselines are skipped (they cannot be the faster baseline; "
+                f"{BF16_BASELINES_ENV}=always times them); the headline ratio divides by the float32 baseline")
 
 
 class FlopModel:

@@ -383,10 +383,12 @@ class MlflowResource(dg.ConfigurableResource):
     ) -> Iterator[MlflowRun]:
         """An MLflow run for this materialization, FINISHED on success and FAILED on any exception.
 
-        ``resume_tag=(name, value)``: when an unfinished run (killed or failed) of this experiment carries
-        that tag, continue it instead of opening a new one, so a resumed training run keeps one metric
-        history (the trainer logs each step exactly once across the kill). The run then also records
-        the re-executing Dagster run id under ``dagster.run_id``.
+        ``resume_tag=(name, value)``: when a run of this experiment carries that tag, continue the newest
+        such run instead of opening a new one, so a resumed training run keeps one metric history (the
+        trainer logs each step exactly once across the kill). Whatever its status: a kill can land after the
+        run was marked FINISHED but before Dagster recorded the step's success, and the re-execution is
+        still the same training run. The run then also records the re-executing Dagster run id under
+        ``dagster.run_id``.
         """
         refuse_secret_names(tags or {}, "MlflowResource.start_run(tags=)")
         client = self.get_client()
@@ -397,7 +399,7 @@ class MlflowResource(dg.ConfigurableResource):
             **_asset_tags(context),
             **{name: str(value) for name, value in (tags or {}).items()},
         }
-        previous = self._unfinished_run(client, experiment_id, resume_tag) if resume_tag else None
+        previous = self._tagged_run(client, experiment_id, resume_tag) if resume_tag else None
         if previous is not None:
             client.update_run(previous.info.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
             for name, value in run_tags.items():
@@ -485,11 +487,11 @@ class MlflowResource(dg.ConfigurableResource):
         return partition
 
     @staticmethod
-    def _unfinished_run(client: MlflowClient, experiment_id: str, tag: tuple[str, str]):
+    def _tagged_run(client: MlflowClient, experiment_id: str, tag: tuple[str, str]):
         name, value = tag
         runs = client.search_runs(
             [experiment_id],
-            f"tags.`{name}` = '{value}' and attributes.status != 'FINISHED'",
+            f"tags.`{name}` = '{value}'",
             max_results=1,
             order_by=["attributes.start_time DESC"],
         )

@@ -1,14 +1,14 @@
 """Kill soak: SIGKILL the training run (and, some iterations, the localtinker server) at random moments, re-execute
 from failure each time, and check that nothing was lost or repeated.
 
-For each recipe (SFT, RL) on the tiny model: the data job runs once; then the ``<recipe>_train`` job runs in a
+For each recipe (SFT, RL, DPO on offline pairs) on the tiny model: its data assets are materialized once; then the ``<recipe>_train`` job runs in a
 child process that is SIGKILLed at a random moment (after a random number of new checkpoint records plus a
 random delay), ``KILLS`` times; every third kill also SIGKILLs the external server, restarted on the same
 storage dir and port. Each kill is followed by ``report_run_failed`` (what run monitoring does) and a
 re-execution from failure, itself a killable child. Then:
 - the last run succeeds; ``checkpoints.jsonl`` holds each planned checkpoint once;
 - one manifest and one ``<recipe>_checkpoints`` partition per record, with the record's paths;
-- the MLflow metric history has each step exactly once; RL: each rollout row exactly once;
+- the MLflow history of the recipe's loss has each step exactly once; RL: each rollout row exactly once;
 - the final sampler weights, written before a server restart, sample after it.
 Figures printed (``-s``): iterations, kills (run / server), steps redone = optim_steps the server executed
 beyond the planned steps (counted in its request log).
@@ -38,6 +38,7 @@ from assets.checkpoint_manifest import all_manifests
 from posttrain.checkpoints import read_checkpoints
 from resources.mlflow import MlflowResource
 from resources.state import STATE_DIR_ENV, ensure_dagster_home
+from pipelines.definitions import RL_DATA_ASSETS, SFT_DATA_ASSETS
 from tests.fixtures.dagster_env import TINY_MODEL
 from tests.reliability.external_server import REPO, ExternalServer, start_external_server
 
@@ -50,25 +51,35 @@ ATTEMPT_TIMEOUT_S = 900
 @dataclass(frozen=True)
 class SoakRecipe:
     name: str
-    data_job: str
+    data_assets: tuple[str, ...]  # materialized once, before the kills
     data_config: dict
     train_config: dict
     total_steps: int
     save_every: int
     samples_per_step: int = 0  # RL: rollout rows per step
+    loss_metric: str = "loss"
 
 
 SOAK_RECIPES = [
     SoakRecipe(
-        "sft", "sft_data", {"chat_dataset": {"config": {"limit": 64, "heldout_fraction": 0.1}}},
-        {"sft_checkpoint": {"config": {"batch_size": 4, "max_steps": 12, "save_every": 2, "lora_rank": 4, "learning_rate": 1e-3}}},
-        total_steps=12, save_every=2,
+        "sft", SFT_DATA_ASSETS, {"chat_dataset": {"config": {"limit": 64, "heldout_fraction": 0.1}}},
+        {"sft_checkpoint": {"config": {"batch_size": 4, "max_steps": 16, "save_every": 2, "lora_rank": 4, "learning_rate": 1e-3}}},
+        total_steps=16, save_every=2,
     ),
     SoakRecipe(
-        "rl", "rl_data", {"rl_problems": {"config": {"limit": 40, "heldout_fraction": 0.1}}},
-        {"rl_checkpoint": {"config": {"init_from": "", "max_steps": 10, "save_every": 2, "lora_rank": 4, "learning_rate": 1e-3,
+        "rl", RL_DATA_ASSETS, {"rl_problems": {"config": {"limit": 40, "heldout_fraction": 0.1}}},
+        {"rl_checkpoint": {"config": {"init_from": "", "max_steps": 16, "save_every": 2, "lora_rank": 4, "learning_rate": 1e-3,
                                       "group_size": 2, "groups_per_batch": 2, "max_tokens": 8}}},
-        total_steps=10, save_every=2, samples_per_step=4,
+        total_steps=16, save_every=2, samples_per_step=4,
+    ),
+    SoakRecipe(  # offline verified-vs-wrong pairs (a random tiny model gives no on-policy pairs), reference = base model
+        "dpo", ("base_model", "rl_problems", "preference_comparisons", "preference_pairs", "reference_logprobs"),
+        {"rl_problems": {"config": {"limit": 16, "heldout_fraction": 0.25}},
+         "preference_comparisons": {"config": {"limit": 64, "heldout_fraction": 0.1}},
+         "reference_logprobs": {"config": {"pairs": "preference_pairs", "reference": ""}}},
+        {"dpo_checkpoint": {"config": {"pairs": "preference_pairs", "init_from": "", "max_steps": 16, "save_every": 2, "lora_rank": 4,
+                                       "learning_rate": 1e-3, "batch_size": 2}}},
+        total_steps=16, save_every=2, loss_metric="dpo_loss",
     ),
 ]
 
@@ -102,8 +113,9 @@ def _soak(recipe: SoakRecipe, root: Path, rng: random.Random) -> tuple[SoakFigur
     server = start_external_server(root / "server-storage", root / "server.log", log_level="info")
     os.environ["TINKER_BASE_URL"] = server.base_url
     instance = dg.DagsterInstance.from_config(str(ensure_dagster_home()))
-    data = build_definitions(soak_resources()).resolve_job_def(recipe.data_job)
-    assert data.execute_in_process(instance=instance, run_config={"ops": recipe.data_config}).success
+    data = build_definitions(soak_resources()).resolve_implicit_global_asset_job_def()
+    selection = [dg.AssetKey(name) for name in recipe.data_assets]
+    assert data.execute_in_process(instance=instance, run_config={"ops": recipe.data_config}, asset_selection=selection).success
 
     args = [json.dumps({"ops": recipe.train_config})]
     training = state / "training"
@@ -113,7 +125,8 @@ def _soak(recipe: SoakRecipe, root: Path, rng: random.Random) -> tuple[SoakFigur
         child = _child(recipe.name, args, root / "runs.log")
         log_dir = next(iter(training.glob("*")), None) if training.exists() else None
         kill = figures.run_kills < KILLS
-        wait_for_records, extra_delay = _records(log_dir) + rng.randint(0, 2), rng.uniform(0.0, 4.0)
+        # at most one new record per kill: 8 records leave room for all KILLS before the run can finish
+        wait_for_records, extra_delay = _records(log_dir) + rng.randint(0, 1), rng.uniform(0.0, 4.0)
         deadline = time.monotonic() + ATTEMPT_TIMEOUT_S
         while child.poll() is None and kill:
             log_dir = next(iter(training.glob("*")), None) if training.exists() else None
@@ -168,7 +181,7 @@ def test_random_kills_of_run_and_server_lose_and_repeat_nothing(recipe: SoakReci
         mlflow = MlflowResource()
         client = mlflow.get_client()
         (run,) = client.search_runs([mlflow.experiment_id(client)], f"tags.`posttrain.log_dir` = '{log_dir}'")
-        assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == list(range(recipe.total_steps))
+        assert [m.step for m in client.get_metric_history(run.info.run_id, recipe.loss_metric)] == list(range(recipe.total_steps))
         if recipe.samples_per_step:
             rows = pq.read_table(state / "parquet" / "rollout_batches.parquet").to_pylist()
             assert Counter(row["step"] for row in rows) == {step: recipe.samples_per_step for step in range(recipe.total_steps)}

@@ -131,3 +131,24 @@ def test_a_resumed_run_logs_each_metric_step_once(mlflow_resource):
     for name in ("loss", "step_time_seconds"):
         assert sorted(point.step for point in client.get_metric_history(run.info.run_id, name)) == list(range(6))
     assert [p.value for p in sorted(client.get_metric_history(run.info.run_id, "loss"), key=lambda p: p.step)] == [4.0, 3.0, 2.0, 1.0, 0.0, -1.0]
+
+
+def test_a_resume_tag_continues_its_run_even_after_it_finished(mlflow_resource):
+    """A kill after the training asset marked its MLflow run FINISHED but before Dagster recorded the step's
+    success: the re-execution resumes the same log dir, so it must continue that run, not open a second one."""
+
+    def attempt(log_dir: str, step: int):
+        @dg.asset(name="training")
+        def training(context: dg.AssetExecutionContext, mlflow: MlflowResource) -> None:
+            tag = ("posttrain.log_dir", log_dir)
+            with mlflow.start_run(context, tags=dict([tag]), resume_tag=tag) as run:
+                run.log_metrics({"loss": float(step)}, step=step)
+
+        return dg.materialize([training], resources={"mlflow": mlflow_resource}).success
+
+    assert attempt("/runs/a", 0) and attempt("/runs/a", 1) and attempt("/runs/b", 0)
+    client = mlflow_resource.get_client()
+    runs = client.search_runs([mlflow_resource.experiment_id(client)], "tags.`posttrain.log_dir` = '/runs/a'")
+    assert len(runs) == 1 and runs[0].info.status == RunStatus.to_string(RunStatus.FINISHED)
+    assert sorted(p.step for p in client.get_metric_history(runs[0].info.run_id, "loss")) == [0, 1]
+    assert len(client.search_runs([mlflow_resource.experiment_id(client)], "tags.`posttrain.log_dir` = '/runs/b'")) == 1

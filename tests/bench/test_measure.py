@@ -1,0 +1,45 @@
+"""The benches' bf16 policy (bench/measure.py): bf16-autocast baselines are skipped only where bf16 is
+emulated (or when told to), and the printed note says which was done."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import measure  # noqa: E402
+
+RUNNERS = {"baseline float32": 1, "baseline bf16 autocast": 2, "ours float32": 3}
+
+
+def probe(monkeypatch: pytest.MonkeyPatch, float32: float, bf16: float, choice: str | None = None) -> measure.Bf16Probe:
+    monkeypatch.setattr(measure, "mm_peak_gflops", lambda size=1024, repeats=5, autocast_bf16=False: bf16 if autocast_bf16 else float32)
+    if choice is None:
+        monkeypatch.delenv(measure.BF16_BASELINES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(measure.BF16_BASELINES_ENV, choice)
+    return measure.Bf16Probe()
+
+
+def test_emulated_bf16_skips_the_autocast_baselines_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    found = probe(monkeypatch, float32=60.0, bf16=1.4)
+    assert found.emulated and not found.times_bf16
+    assert found.select(RUNNERS) == {"baseline float32": 1, "ours float32": 3}
+    assert "no native bf16" in found.note() and "skipped" in found.note()
+
+
+def test_native_bf16_times_every_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
+    found = probe(monkeypatch, float32=60.0, bf16=90.0)
+    assert found.select(RUNNERS) == RUNNERS
+    assert "timed" in found.note()
+
+
+def test_the_environment_overrides_the_probe_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert probe(monkeypatch, float32=60.0, bf16=1.4, choice="always").select(RUNNERS) == RUNNERS
+    assert "autocast" not in " ".join(probe(monkeypatch, float32=60.0, bf16=90.0, choice="never").select(RUNNERS))
+    with pytest.raises(SystemExit, match="BENCH_BF16_BASELINES='sometimes'"):
+        probe(monkeypatch, float32=60.0, bf16=90.0, choice="sometimes")
+
+
+def test_the_peak_is_a_real_measurement() -> None:
+    assert measure.mm_peak_gflops(size=128, repeats=2) > 0.1
