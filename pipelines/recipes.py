@@ -25,6 +25,14 @@ DEFAULT_REEVAL_CRON = "0 4 * * *"  # daily, at night
 DEFAULT_REEVAL_NEWEST = 3
 
 
+# Every recipe job runs its steps in the run's own process by default. Its steps form a chain (data, then
+# training, then outputs), so a process per step buys no parallelism, and each such process re-imports the
+# code location (torch, transformers, MLflow: ~10 s here) — measured as most of Dagster's overhead over a
+# plain script (bench/bench_dagster_overhead.py). A re-execution from failure resumes training either way.
+# Only the default: the launchpad can still pick `execution: {config: {multiprocess: {}}}`.
+IN_PROCESS_DEFAULT = {"execution": {"config": {"in_process": {}}}}
+
+
 @dataclass(frozen=True)
 class RecipeJobs:
     data: dg.UnresolvedAssetJobDefinition
@@ -53,21 +61,24 @@ def build_recipe_jobs(
     recipe, training_asset, eval_asset = spec.training.recipe, spec.training.asset_name, spec.asset_name
     partitions = spec.training.partitions
     data = dg.define_asset_job(
-        f"{recipe}_data", selection=list(data_assets), description=f"{recipe}: base model and data assets."
+        f"{recipe}_data", selection=list(data_assets), description=f"{recipe}: base model and data assets.", config=IN_PROCESS_DEFAULT
     )
     train = dg.define_asset_job(
         f"{recipe}_train",
+        config=IN_PROCESS_DEFAULT,
         selection=[training_asset, *outputs],
         description=f"{recipe}: train on the materialized data; each checkpoint becomes a `{partitions.name}` partition.",
     )
     evaluate = dg.define_asset_job(
         f"{recipe}_eval",
+        config=IN_PROCESS_DEFAULT,
         selection=[eval_asset],
         partitions_def=partitions,
         description=f"{recipe}: evaluate one checkpoint partition against its base model and its parent.",
     )
     chain = dg.define_asset_job(
         f"{recipe}_chain",
+        config=IN_PROCESS_DEFAULT,
         selection=[*data_assets, training_asset, *outputs],
         description=f"{recipe}: base model → data → training in one run; automation then evaluates each checkpoint.",
     )

@@ -107,6 +107,18 @@ def test_jobs_cover_each_stage_and_the_whole_chain(project_state):
     }
 
 
+def test_recipe_jobs_run_in_process_by_default_and_multiprocess_on_request(project_state):
+    """A process per step re-imports the code location for no parallelism (the steps form a chain)."""
+    defs = build_definitions(tiny_resources(project_state))
+    recipe_jobs = [job for job in defs.resolve_all_job_defs() if job.name.rsplit("_", 1)[-1] in ("data", "train", "eval", "chain")]
+    assert len(recipe_jobs) >= 24
+    for job in recipe_jobs:
+        execution = job.run_config_schema.config_type.fields["execution"]
+        assert execution.default_value == {"config": {"in_process": {}}}, job.name
+    chain = defs.resolve_job_def("sft_chain")
+    assert chain.run_config_schema.config_type.fields["execution"].config_type.fields["config"].config_type.fields.keys() >= {"in_process", "multiprocess"}
+
+
 def test_every_config_field_has_a_default_and_a_description():
     from assets.base_model import BaseModelConfig
     from assets.evals import EvalConfig

@@ -62,15 +62,15 @@ class SoakRecipe:
 
 SOAK_RECIPES = [
     SoakRecipe(
-        "sft", SFT_DATA_ASSETS, {"chat_dataset": {"config": {"limit": 64, "heldout_fraction": 0.1}}},
+        "sft", SFT_DATA_ASSETS, {"chat_dataset": {"config": {"limit": 96, "heldout_fraction": 0.1}}},
         {"sft_checkpoint": {"config": {"batch_size": 4, "max_steps": 16, "save_every": 2, "lora_rank": 4, "learning_rate": 1e-3}}},
         total_steps=16, save_every=2,
     ),
     SoakRecipe(
-        "rl", RL_DATA_ASSETS, {"rl_problems": {"config": {"limit": 40, "heldout_fraction": 0.1}}},
-        {"rl_checkpoint": {"config": {"init_from": "", "max_steps": 16, "save_every": 2, "lora_rank": 4, "learning_rate": 1e-3,
+        "rl", RL_DATA_ASSETS, {"rl_problems": {"config": {"limit": 80, "heldout_fraction": 0.1}}},
+        {"rl_checkpoint": {"config": {"init_from": "", "max_steps": 24, "save_every": 2, "lora_rank": 4, "learning_rate": 1e-3,
                                       "group_size": 2, "groups_per_batch": 2, "max_tokens": 8}}},
-        total_steps=16, save_every=2, samples_per_step=4,
+        total_steps=24, save_every=2, samples_per_step=4,
     ),
     SoakRecipe(  # offline verified-vs-wrong pairs (a random tiny model gives no on-policy pairs), reference = base model
         "dpo", ("base_model", "rl_problems", "preference_comparisons", "preference_pairs", "reference_logprobs"),
