@@ -11,7 +11,7 @@ ratio 1.00; 8 steps concurrently: 1.22 (fixed cost ~10-20 s of imports, sqlite a
 sequentially under drifting load: 1.87 (the Dagster side ran while the machine's load rose from 2 to 5+).
 
 The sides run one after the other (``--concurrent`` runs them at once); the Dagster side runs the job
-with the executor `make ui` uses (the job's default multiprocess executor, via `dagster job execute`).
+with the executor `make ui` uses (the job's default: in-process since IN_PROCESS_DEFAULT, via `dagster job execute`).
 
     python bench/bench_dagster_overhead.py [--model HuggingFaceTB/SmolLM2-135M-Instruct] [--steps 16] [--rounds 1] [--concurrent]
 """
@@ -73,7 +73,7 @@ def run_plain(config: dict, model: str, state: Path) -> None:
 
 def run_dagster(config: dict, model: str, state: Path) -> None:
     """The job as `make ui` runs it: the instance's dagster.yaml, and the job's default executor (the
-    multiprocess executor: each step in its own process), through `dagster job execute`."""
+    in-process executor by default: every step in the run process), through `dagster job execute`."""
     import yaml
 
     from resources.state import ensure_dagster_home

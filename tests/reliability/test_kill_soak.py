@@ -62,9 +62,9 @@ class SoakRecipe:
 
 SOAK_RECIPES = [
     SoakRecipe(
-        "sft", SFT_DATA_ASSETS, {"chat_dataset": {"config": {"limit": 96, "heldout_fraction": 0.1}}},
-        {"sft_checkpoint": {"config": {"batch_size": 4, "max_steps": 16, "save_every": 2, "lora_rank": 4, "learning_rate": 1e-3}}},
-        total_steps=16, save_every=2,
+        "sft", SFT_DATA_ASSETS, {"chat_dataset": {"config": {"limit": 200, "heldout_fraction": 0.1}}},
+        {"sft_checkpoint": {"config": {"batch_size": 4, "max_steps": 32, "save_every": 2, "lora_rank": 4, "learning_rate": 1e-3}}},
+        total_steps=32, save_every=2,
     ),
     SoakRecipe(
         "rl", RL_DATA_ASSETS, {"rl_problems": {"config": {"limit": 80, "heldout_fraction": 0.1}}},
@@ -125,7 +125,7 @@ def _soak(recipe: SoakRecipe, root: Path, rng: random.Random) -> tuple[SoakFigur
         child = _child(recipe.name, args, root / "runs.log")
         log_dir = next(iter(training.glob("*")), None) if training.exists() else None
         kill = figures.run_kills < KILLS
-        # at most one new record per kill: 8 records leave room for all KILLS before the run can finish
+        # at most one new record per kill (plus what lands during the delay): 8+ records leave room for all KILLS
         wait_for_records, extra_delay = _records(log_dir) + rng.randint(0, 1), rng.uniform(0.0, 4.0)
         deadline = time.monotonic() + ATTEMPT_TIMEOUT_S
         while child.poll() is None and kill:
