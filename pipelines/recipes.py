@@ -29,7 +29,8 @@ DEFAULT_REEVAL_NEWEST = 3
 # training, then outputs), so a process per step buys no parallelism, and each such process re-imports the
 # code location (torch, transformers, MLflow: ~10 s here) — measured as most of Dagster's overhead over a
 # plain script (bench/bench_dagster_overhead.py). A re-execution from failure resumes training either way.
-# Only the default: the launchpad can still pick `execution: {config: {multiprocess: {}}}`.
+# Only the default: the launchpad can still pick `execution: {config: {multiprocess: {}}}`. The partitioned
+# eval jobs keep Dagster's default (a default run config is not applied to them here; one step each anyway).
 IN_PROCESS_DEFAULT = {"execution": {"config": {"in_process": {}}}}
 
 
@@ -71,7 +72,6 @@ def build_recipe_jobs(
     )
     evaluate = dg.define_asset_job(
         f"{recipe}_eval",
-        config=IN_PROCESS_DEFAULT,
         selection=[eval_asset],
         partitions_def=partitions,
         description=f"{recipe}: evaluate one checkpoint partition against its base model and its parent.",
