@@ -150,7 +150,7 @@ def main() -> None:
             "baseline DPO float32 (transformers+peft)": lambda: Baseline(reference, autocast=False).dpo_step,
             "baseline DPO bf16 autocast (transformers+peft)": lambda: Baseline(reference, autocast=True).dpo_step,
         }
-        runners = {name: build() for name, build in probe.select(builders).items()}
+        runners = probe.build(builders)
         for step in runners.values():
             step(batches[0])  # warm-up
         seconds = {name: 0.0 for name in runners}

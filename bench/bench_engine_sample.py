@@ -133,7 +133,7 @@ def main() -> None:
             "ours LocalEngine float32": lambda: Ours(Path(storage) / "f32", "float32"),
             "ours LocalEngine bfloat16": lambda: Ours(Path(storage) / "bf16", "bfloat16"),
         }
-        runners = {name: build() for name, build in probe.select(builders).items()}
+        runners = probe.build(builders)
         for runner in runners.values():
             runner.run(prompt_tokens[:4])  # warm-up
         seconds = {name: 0.0 for name in runners}

@@ -113,7 +113,7 @@ def main() -> None:
             "baseline transformers+peft bf16 autocast": lambda: Baseline(autocast=True),
             "ours LocalEngine float32": lambda: Ours(Path(storage)),
         }
-        runners = {name: build() for name, build in probe.select(builders).items()}
+        runners = probe.build(builders)
         for runner in runners.values():
             runner.step(make_batch(0))  # warm-up
         baseline_runner = runners["baseline transformers+peft float32"]

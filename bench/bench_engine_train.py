@@ -105,7 +105,7 @@ def main() -> None:
             "ours LocalEngine float32": lambda: Ours(Path(storage) / "f32", dtype="float32"),
             "ours LocalEngine bfloat16": lambda: Ours(Path(storage) / "bf16", dtype="bfloat16"),
         }
-        runners = {name: build() for name, build in probe.select(builders).items()}
+        runners = probe.build(builders)
         for runner in runners.values():
             runner.step(make_batch(0))  # warm-up
         seconds = {name: 0.0 for name in runners}
@@ -113,10 +113,11 @@ def main() -> None:
             for name, runner in runners.items():
                 seconds[name] += timed(runner.step, make_batch(step + 1))
     peak = mm_peak_gflops()
-    step_flops = BATCH * 2 * flop_model.forward(LENGTH, flop_model.causal_keys(LENGTH))
-    rates = {name: args.steps * BATCH * LENGTH / value for name, value in seconds.items()}
+    tokens = args.steps * BATCH * LENGTH
+    flops = args.steps * BATCH * 2 * flop_model.forward(LENGTH, flop_model.causal_keys(LENGTH))
+    rates = {name: tokens / value for name, value in seconds.items()}
     for name, rate in rates.items():
-        print(f"{name}: {rate:.1f} tokens/s; {report(args.steps * step_flops, seconds[name], peak)}")
+        print(f"{name}: {rate:.1f} tokens/s; {report(flops, seconds[name], peak)}")
     baseline = max(rate for name, rate in rates.items() if name.startswith("baseline"))
     print(f"ratio = ours float32 / faster baseline = {rates['ours LocalEngine float32'] / baseline:.2f} (goal >= 1.3)")
 

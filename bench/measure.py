@@ -63,6 +63,10 @@ class Bf16Probe:
         """``runners`` without the bf16-autocast baselines (names containing "autocast") when they are skipped."""
         return runners if self.times_bf16 else {name: r for name, r in runners.items() if "autocast" not in name}
 
+    def build(self, builders: dict) -> dict:
+        """``select(builders)``, each builder called: only the runners this run times are ever made."""
+        return {name: build() for name, build in self.select(builders).items()}
+
     def note(self) -> str:
         head = f"bf16-autocast torch.mm {self.bf16_gflops:.1f} vs float32 {self.float32_gflops:.1f} GFLOP/s ({self.speed:.2f}x)"
         if self.times_bf16:

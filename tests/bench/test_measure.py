@@ -25,6 +25,9 @@ def test_emulated_bf16_skips_the_autocast_baselines_and_says_why(monkeypatch: py
     found = probe(monkeypatch, float32=60.0, bf16=1.4)
     assert found.emulated and not found.times_bf16
     assert found.select(RUNNERS) == {"baseline float32": 1, "ours float32": 3}
+    made = []
+    assert found.build({"baseline bf16 autocast": lambda: made.append("bf16"), "ours float32": lambda: made.append("ours")}) == {"ours float32": None}
+    assert made == ["ours"]  # a skipped baseline is never built (its model would only take memory)
     assert "no native bf16" in found.note() and "skipped" in found.note()
 
 
