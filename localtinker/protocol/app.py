@@ -159,13 +159,14 @@ class LocalTinkerService:
         return endpoint
 
     async def _body(self, request: Request) -> bytes:
+        """The whole body; stops reading at the size limit and raises a 413 that keeps what was read."""
         limit = self.config.max_request_bytes
         chunks, size = [], 0
         async for chunk in request.stream():
+            chunks.append(chunk)
             size += len(chunk)
             if size > limit:
-                raise ProtocolError(413, f"request body exceeds the {limit}-byte limit; send smaller requests")
-            chunks.append(chunk)
+                raise OversizedBody(limit, b"".join(chunks))
         return b"".join(chunks)
 
     async def _json(self, request: Request, endpoint: str) -> dict[str, Any]:
@@ -421,6 +422,29 @@ class LocalTinkerService:
             lambda info: {"type": "load_weights", "path": path, "model_id": model_id},
         )
 
+    async def _forward_backward_body(self, request: Request) -> bytes:
+        """The decoded body; a refused one (too large, or inflating beyond the limit) still frees its seq_id.
+
+        Without that, the client's next request on the model would wait ``gap_timeout_s`` for a seq_id
+        that can never arrive. model_id and seq_id are protobuf fields 1 and 2, so the head of the body
+        names them even when the rest was never read.
+        """
+        compressed = request.headers.get("content-encoding", "").lower() == "zstd"
+        try:
+            body = await self._body(request)
+            return proto_codec.decompress_zstd(body, self.config.max_request_bytes) if compressed else body
+        except OversizedBody as e:
+            head = proto_codec.zstd_prefix(e.head) if compressed else e.head
+            raise self._refuse_unparsed_forward_backward(head, e) from e
+        except ProtocolError as e:
+            raise self._refuse_unparsed_forward_backward(proto_codec.zstd_prefix(body), e) from e
+
+    def _refuse_unparsed_forward_backward(self, head: bytes, error: ProtocolError) -> ProtocolError:
+        model_id, seq_id = proto_codec.leading_model_and_seq(head)
+        if model_id is None:
+            return error
+        return self._refuse_model_op(model_id, seq_id, error)
+
     async def forward_backward(self, request: Request) -> Response:
         content_type = request.headers.get("content-type", "")
         if PROTOBUF not in content_type:
@@ -429,9 +453,7 @@ class LocalTinkerService:
                 f"forward_backward takes a protobuf ForwardBackwardRequest (Content-Type: {PROTOBUF}), "
                 f"got {content_type or 'no content type'}",
             )
-        body = await self._body(request)
-        if request.headers.get("content-encoding", "").lower() == "zstd":
-            body = proto_codec.decompress_zstd(body, self.config.max_request_bytes)
+        body = await self._forward_backward_body(request)
         message = proto_codec.parse_forward_backward(body)
         seq_id = message.seq_id if message.seq_id > 0 else None
         try:
@@ -725,6 +747,14 @@ class LocalTinkerService:
         )
 
 
+class OversizedBody(ProtocolError):
+    """A 413 for a body over the limit; ``head`` is what was read before refusing (at most one chunk over)."""
+
+    def __init__(self, limit: int, head: bytes) -> None:
+        super().__init__(413, f"request body exceeds the {limit}-byte limit; send smaller requests")
+        self.head = head
+
+
 def _page(request: Request, default_limit: int) -> tuple[int, int]:
     try:
         limit = int(request.query_params.get("limit", default_limit))
@@ -743,6 +773,8 @@ class GuardMiddleware:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_request_bytes = max_request_bytes
+        # The handler reads the head of these bodies to free their seq_id before refusing them.
+        self.size_checked_by_handler = frozenset({f"{API}/forward_backward"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -776,7 +808,7 @@ class GuardMiddleware:
                 what = "is missing" if not given else "is wrong"
                 return _error(401, f"the X-API-Key header {what}; set TINKER_API_KEY to the server's --api-key")
         length = headers.get(b"content-length")
-        if length is not None:
+        if length is not None and scope["path"] not in self.size_checked_by_handler:
             try:
                 too_big = int(length) > self.max_request_bytes
             except ValueError:

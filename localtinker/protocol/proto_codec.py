@@ -52,6 +52,51 @@ def decompress_zstd(body: bytes, max_bytes: int) -> bytes:
     return out
 
 
+def zstd_prefix(body: bytes, size: int = 4096) -> bytes:
+    """The first ``size`` decompressed bytes of a zstd body (or of its readable start); b"" if none."""
+    try:
+        return zstandard.ZstdDecompressor().stream_reader(body).read(size)
+    except zstandard.ZstdError:
+        return b""
+
+
+def leading_model_and_seq(head: bytes) -> tuple[str | None, int | None]:
+    """model_id (field 1) and seq_id (field 2) from the head of a ForwardBackwardRequest.
+
+    Protobuf writes fields in number order, so both precede the (possibly huge, possibly unread) data.
+    Returns (None, None) when the head does not start with a readable model_id.
+    """
+    model_id, seq_id, pos = None, None, 0
+    while pos < len(head):
+        tag, pos = _varint(head, pos)
+        if tag is None:
+            break
+        if tag == (1 << 3) | 2:  # model_id: length-delimited
+            length, pos = _varint(head, pos)
+            if length is None or pos + length > len(head):
+                break
+            model_id, pos = head[pos : pos + length].decode("utf-8", "replace"), pos + length
+        elif tag == (2 << 3) | 0:  # seq_id: varint
+            seq_id, pos = _varint(head, pos)
+        else:
+            break
+    if not model_id:
+        return None, None
+    return model_id, seq_id if seq_id else None
+
+
+def _varint(data: bytes, pos: int) -> tuple[int | None, int]:
+    value, shift = 0, 0
+    while pos < len(data) and shift < 64:
+        byte = data[pos]
+        value |= (byte & 0x7F) << shift
+        pos += 1
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    return None, pos
+
+
 def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
     msg = pb.ForwardBackwardRequest()
     try:

@@ -272,7 +272,9 @@ class Api:
     probe: np.ndarray
 
     def probe_logprobs(self) -> np.ndarray:
-        return self.trainer.forward([_datum(PROBE)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        # A timeout well under the server's gap timeout: a refused request must not hold up the next one.
+        forward = self.trainer.forward([_datum(PROBE)], "cross_entropy").result(timeout=30)
+        return forward.loss_fn_outputs[0]["logprobs"].to_numpy()
 
     def stored_files(self) -> list[str]:
         return sorted(str(p.relative_to(self.server.storage_dir)) for p in Path(self.server.storage_dir).rglob("*") if p.is_file())

@@ -131,8 +131,12 @@ def test_refused_requests_do_not_stall_or_corrupt_the_client(client: tinker.Serv
     with pytest.raises(tinker.RequestFailedError, match="outside the vocab") as failure:
         trainer.forward_backward([_datum([1, VOCAB + 5, 2])], "cross_entropy").result()
     assert failure.value.category == tinker.types.RequestErrorCategory.User
-    # Every refusal above took a seq_id; later requests of the same client still run, on intact state.
-    assert trainer.forward(probe, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist() == before
+    # zstd-compressed here: ~1 KB on the wire that inflates past the 1 MB limit, refused before it is parsed.
+    with pytest.raises(tinker.APIStatusError, match="inflates to more than 1000000 bytes"):
+        trainer.forward_backward([_datum([5] * 300_000)], "cross_entropy").result()
+    # Every refusal above took a seq_id; later requests of the same client still run, on intact state,
+    # without waiting the server's 60 s gap timeout for a seq_id that will never come.
+    assert trainer.forward(probe, "cross_entropy").result(timeout=20).loss_fn_outputs[0]["logprobs"].tolist() == before
     trainer.forward_backward(probe, "cross_entropy")
     assert trainer.optim_step(types.AdamParams(learning_rate=0.1)).result().metrics["step"] == 1.0
 

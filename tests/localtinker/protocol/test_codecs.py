@@ -150,3 +150,11 @@ def test_max_tokens_defaults_to_no_limit() -> None:
 def test_unsupported_losses_are_refused_naming_the_supported_ones() -> None:
     with pytest.raises(ProtocolError, match="stable_reinforce.*no published formula.*cross_entropy, importance_sampling, ppo, cispo, dro, gspo"):
         json_codec.check_loss_fn("stable_reinforce")
+
+
+def test_model_and_seq_are_read_from_the_head_of_an_unread_body() -> None:
+    body = _sdk_request_bytes([types.Datum(model_input=types.ModelInput.from_ints(list(range(5000))), loss_fn_inputs={})])
+    assert proto_codec.leading_model_and_seq(body[:32]) == ("s:train:0", 7)
+    assert proto_codec.leading_model_and_seq(proto_codec.zstd_prefix(zstandard.ZstdCompressor().compress(body))) == ("s:train:0", 7)
+    assert proto_codec.leading_model_and_seq(body[:5]) == (None, None)  # model_id cut off: nothing to free
+    assert proto_codec.leading_model_and_seq(b"garbage") == (None, None)
