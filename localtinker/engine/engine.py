@@ -46,9 +46,12 @@ from localtinker.engine.packaged import SMOLLM2_NAME
 from localtinker.engine.sample_stream import SampleStream, SamplingTarget
 from localtinker.engine.sampler import validate_sample_spec
 
-# Padded tokens per forward/backward micro-batch: bounds activation memory (~1.2 MB/token on
-# SmolLM2-135M); losses and gradients are sums, so splitting is exact.
-TRAIN_MICROBATCH_TOKENS = 2048
+# Padded tokens per forward/backward micro-batch; losses and gradients are sums, so splitting is exact.
+# Small micro-batches of length-sorted rows pad less (rows of similar length go together) and keep the
+# elementwise passes in cache: on chat-like rows of 20-512 tokens, 512 trains 1.3x faster than 2048
+# (per unit of the box's torch.mm speed, 3 interleaved repeats), with no change on equal-length 8x128
+# batches. Rows longer than this run alone. Activations cost ~1.2 MB/token on SmolLM2-135M.
+TRAIN_MICROBATCH_TOKENS = 512
 # Snapshots of a training model's weights (save_weights_and_get_sampling_client) kept per model.
 SNAPSHOTS_PER_MODEL = 8
 # Sampler adapters kept resident per base model (others reload from disk on use).

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -80,6 +80,7 @@ class AdapterHost:
                 self._peft = get_peft_model(self.model, config, adapter_name=name)
             else:
                 self._peft.add_adapter(name, config)
+        install_fused_forward(self.model)
         if not self.parameters(name):
             self.delete_adapter(name)
             raise EngineUserError(
@@ -145,3 +146,40 @@ class AdapterHost:
                 self._peft.base_model.set_adapter(name)
                 self._active = name
         yield
+
+
+# Set to False to run peft's own LoRA forward (bench/profiling comparisons).
+FUSED_FORWARD = True
+
+
+def install_fused_forward(model: torch.nn.Module) -> None:
+    """Routes every peft LoRA linear of ``model`` through :func:`fused_lora_forward` (idempotent)."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    for module in model.modules():
+        if isinstance(module, LoraLinear) and not getattr(module, "_localtinker_fused", False):
+            peft_forward = module.forward
+            module.forward = lambda x, *args, _m=module, _peft=peft_forward, **kwargs: fused_lora_forward(
+                _m, _peft, x, *args, **kwargs
+            )
+            module._localtinker_fused = True
+
+
+def fused_lora_forward(layer: Any, peft_forward: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """base(x) + (x Aᵀ)(s·B)ᵀ with the add inside one ``addmm``: the same function as peft's
+    ``base(x) + B(A(x)) * s``, without its two elementwise passes over the (tokens × out) output in the
+    forward and the scaling pass in the backward (on lm_head that output is tokens × 49152). Anything
+    but the plain case (one active vanilla adapter, no dropout, not merged) takes peft's own path."""
+    active = layer.active_adapters
+    if not FUSED_FORWARD or args or kwargs or layer.disable_adapters or layer.merged or len(active) != 1:
+        return peft_forward(x, *args, **kwargs)
+    name = active[0]
+    if name not in layer.lora_A or name in layer.lora_variant or not isinstance(layer.lora_dropout[name], torch.nn.Identity):
+        return peft_forward(x, *args, **kwargs)
+    lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
+    base = layer.base_layer(x)
+    if base.dtype != lora_b.dtype or x.dtype != lora_a.dtype:
+        return peft_forward(x, *args, **kwargs)
+    down = torch.nn.functional.linear(x, lora_a)
+    out = torch.addmm(base.reshape(-1, base.shape[-1]), down.reshape(-1, down.shape[-1]), (lora_b * layer.scaling[name]).t())
+    return out.view(base.shape)

@@ -1,0 +1,78 @@
+"""The fused LoRA forward computes exactly peft's function, values and gradients, and steps aside otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import localtinker.engine.lora as lora
+from localtinker.engine.api import LoraSpec
+from localtinker.engine.models import tiny_random_dir
+
+
+def _host_with_random_b(*, seed: int = 0) -> tuple[lora.AdapterHost, str]:
+    base = AutoModelForCausalLM.from_pretrained(tiny_random_dir(), dtype=torch.float32)
+    host = lora.AdapterHost(base)
+    name = host.add_adapter(LoraSpec(rank=4, train_attn=True, train_mlp=True, train_unembed=True), seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for key, param in host.parameters(name).items():
+            if "lora_B" in key:  # B starts at zero, which would hide any error in the B·A·x term
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    return host, name
+
+
+def _loss_and_grads(host: lora.AdapterHost, name: str, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    params = host.parameters(name)
+    for param in params.values():
+        param.grad = None
+    with host.activated(name):
+        logits = host.model(input_ids=tokens).logits
+    loss = logits.log_softmax(-1).gather(-1, tokens[..., None]).sum()
+    loss.backward()
+    return logits.detach(), {key: p.grad.clone() for key, p in params.items()}
+
+
+def test_fused_forward_matches_peft_in_values_and_gradients(monkeypatch):
+    host, name = _host_with_random_b()
+    tokens = torch.randint(0, 200, (2, 11), generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(lora, "FUSED_FORWARD", True)
+    fused_logits, fused_grads = _loss_and_grads(host, name, tokens)
+    monkeypatch.setattr(lora, "FUSED_FORWARD", False)
+    peft_logits, peft_grads = _loss_and_grads(host, name, tokens)
+
+    torch.testing.assert_close(fused_logits, peft_logits, rtol=1e-5, atol=1e-5)
+    assert fused_grads.keys() == peft_grads.keys() and any("lm_head" in key for key in fused_grads)
+    for key in fused_grads:
+        torch.testing.assert_close(fused_grads[key], peft_grads[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_every_lora_layer_is_routed_through_the_fused_forward_once():
+    host, _ = _host_with_random_b()
+    from peft.tuners.lora import Linear as LoraLinear
+
+    layers = [m for m in host.model.modules() if isinstance(m, LoraLinear)]
+    assert layers and all(getattr(m, "_localtinker_fused", False) for m in layers)
+    forwards = [m.forward for m in layers]
+    lora.install_fused_forward(host.model)  # a second adapter re-runs the install: must not wrap twice
+    assert [m.forward for m in layers] == forwards
+
+
+@pytest.mark.parametrize("case", ["adapters_disabled", "no_adapter_active"])
+def test_fused_forward_falls_back_to_the_plain_model(case):
+    host, name = _host_with_random_b()
+    tokens = torch.randint(0, 200, (1, 7), generator=torch.Generator().manual_seed(4))
+    plain = AutoModelForCausalLM.from_pretrained(tiny_random_dir(), dtype=torch.float32)
+    with torch.no_grad():
+        expected = plain(input_ids=tokens).logits
+        if case == "adapters_disabled":
+            with host.activated(None):
+                got = host.model(input_ids=tokens).logits
+        else:
+            with host.activated(name):
+                with_adapter = host.model(input_ids=tokens).logits
+            with host.activated(None):
+                got = host.model(input_ids=tokens).logits
+            assert not torch.allclose(with_adapter, expected, atol=1e-4)  # the random B really changes outputs
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
