@@ -165,21 +165,28 @@ def install_fused_forward(model: torch.nn.Module) -> None:
             module._localtinker_fused = True
 
 
-def fused_lora_forward(layer: Any, peft_forward: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+def fused_lora_forward(
+    layer: Any, peft_forward: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
     """base(x) + (x Aᵀ)(s·B)ᵀ with the add inside one ``addmm``: the same function as peft's
     ``base(x) + B(A(x)) * s``, without its two elementwise passes over the (tokens × out) output in the
-    forward and the scaling pass in the backward (on lm_head that output is tokens × 49152). Anything
-    but the plain case (one active vanilla adapter, no dropout, not merged) takes peft's own path."""
+    forward and the scaling pass in the backward (on lm_head that output is tokens × 49152). Mixed
+    dtypes get peft's formula on the one base output; anything but the plain case (one active vanilla
+    adapter, no dropout, not merged) takes peft's own path."""
     active = layer.active_adapters
     if not FUSED_FORWARD or args or kwargs or layer.disable_adapters or layer.merged or len(active) != 1:
         return peft_forward(x, *args, **kwargs)
     name = active[0]
-    if name not in layer.lora_A or name in layer.lora_variant or not isinstance(layer.lora_dropout[name], torch.nn.Identity):
+    plain = name in layer.lora_A and name not in layer.lora_variant
+    if not plain or not isinstance(layer.lora_dropout[name], torch.nn.Identity):
         return peft_forward(x, *args, **kwargs)
     lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
     base = layer.base_layer(x)
     if base.dtype != lora_b.dtype or x.dtype != lora_a.dtype:
-        return peft_forward(x, *args, **kwargs)
+        # Mixed precision (bf16 compute or autocast): peft's formula, reusing the base output.
+        delta = torch.nn.functional.linear(torch.nn.functional.linear(x.to(lora_a.dtype), lora_a), lora_b)
+        return base + (delta * layer.scaling[name]).to(base.dtype)
     down = torch.nn.functional.linear(x, lora_a)
-    out = torch.addmm(base.reshape(-1, base.shape[-1]), down.reshape(-1, down.shape[-1]), (lora_b * layer.scaling[name]).t())
+    up = (lora_b * layer.scaling[name]).t()
+    out = torch.addmm(base.reshape(-1, base.shape[-1]), down.reshape(-1, down.shape[-1]), up)
     return out.view(base.shape)

@@ -23,7 +23,9 @@ def _host_with_random_b(*, seed: int = 0) -> tuple[lora.AdapterHost, str]:
     return host, name
 
 
-def _loss_and_grads(host: lora.AdapterHost, name: str, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _loss_and_grads(
+    host: lora.AdapterHost, name: str, tokens: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     params = host.parameters(name)
     for param in params.values():
         param.grad = None
@@ -76,3 +78,24 @@ def test_fused_forward_falls_back_to_the_plain_model(case):
                 got = host.model(input_ids=tokens).logits
             assert not torch.allclose(with_adapter, expected, atol=1e-4)  # the random B really changes outputs
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_forward_under_bf16_autocast_matches_peft_and_runs_each_base_layer_once(monkeypatch):
+    from peft.tuners.lora import Linear as LoraLinear
+
+    host, name = _host_with_random_b()
+    tokens = torch.randint(0, 200, (1, 9), generator=torch.Generator().manual_seed(5))
+    base_calls: list[int] = []
+    lora_layers = [m for m in host.model.modules() if isinstance(m, LoraLinear)]
+    for layer in lora_layers:
+        layer.base_layer.register_forward_hook(lambda *_: base_calls.append(1))
+    logits = {}
+    for fused in (True, False):
+        monkeypatch.setattr(lora, "FUSED_FORWARD", fused)
+        base_calls.clear()
+        with torch.no_grad(), host.activated(name), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits[fused] = host.model(input_ids=tokens).logits.float()
+        # Under autocast the base output is bf16 and the LoRA weights float32: the mixed-dtype branch
+        # must reuse that output, not fall back to peft's forward (which would run the base again).
+        assert len(base_calls) == len(lora_layers)
+    torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=0.05)
