@@ -1,4 +1,5 @@
-"""`make ui` (= `python -m pipelines ui`): both UIs come up on loopback, and a SIGTERM stops everything."""
+"""`make ui` (= `python -m pipelines ui`): both UIs come up on loopback, a training run launched from the
+Dagster launchpad in headless Chromium succeeds, and a SIGTERM stops everything."""
 
 from __future__ import annotations
 
@@ -11,9 +12,18 @@ import time
 import urllib.request
 from pathlib import Path
 
+import dagster as dg
 import psutil
+import pytest
 
+from pipelines.definitions import build_definitions
 from resources.state import repo_root
+from tests.fixtures.dagster_env import TINY_CHAIN_CONFIG, TINY_MODEL, tiny_resources
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-dev-shm-usage"
+]
 
 
 def _free_port() -> int:
@@ -35,10 +45,27 @@ def _port_is_free(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
-def test_ui_serves_dagster_and_mlflow_and_leaves_nothing_behind_on_sigterm(project_state: Path) -> None:
+@pytest.mark.browser
+def test_ui_serves_both_uis_launches_training_from_the_launchpad_and_leaves_nothing_behind_on_sigterm(
+    dagster_instance: dg.DagsterInstance, project_state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One `python -m pipelines ui` for the whole user path (one server start-up instead of two tests' worth):
+    both UIs answer; headless Chromium clicks "Launch run" on the SFT training launchpad and the run,
+    executed by `dagster dev`'s run launcher in its own process, succeeds in the instance and on the run
+    page; then a SIGTERM stops every process and frees both ports."""
+    from playwright.sync_api import sync_playwright
+
+    monkeypatch.setenv("POSTTRAIN_BASE_MODEL", TINY_MODEL)
+    monkeypatch.setenv("LOCALTINKER_DTYPE", "float32")
+    # The data assets first, in-process (48 conversations: the launchpad's default config makes a few steps).
+    data_config = {"ops": {k: v for k, v in TINY_CHAIN_CONFIG["ops"].items() if k != "sft_checkpoint"}}
+    data = build_definitions(tiny_resources(project_state)).resolve_job_def("sft_data")
+    assert data.execute_in_process(instance=dagster_instance, run_config=data_config).success
+
     dagster_port, mlflow_port = _free_port(), _free_port()
+    command = ["-m", "pipelines", "ui", "--dagster-port", str(dagster_port), "--mlflow-port", str(mlflow_port)]
     ui = subprocess.Popen(
-        [sys.executable, "-m", "pipelines", "ui", "--dagster-port", str(dagster_port), "--mlflow-port", str(mlflow_port)],
+        [sys.executable, *command],
         cwd=repo_root(),
         env=dict(os.environ),
         stdout=subprocess.PIPE,
@@ -48,28 +75,54 @@ def test_ui_serves_dagster_and_mlflow_and_leaves_nothing_behind_on_sigterm(proje
     )
     descendants: list[psutil.Process] = []
     try:
+        base = f"http://127.0.0.1:{dagster_port}"
         deadline = time.monotonic() + 240
         up = False
         while time.monotonic() < deadline and ui.poll() is None:
-            descendants = psutil.Process(ui.pid).children(recursive=True)
-            up = _answers(f"http://127.0.0.1:{dagster_port}/server_info") and _answers(
-                f"http://127.0.0.1:{mlflow_port}/health"
-            )
+            up = _answers(f"{base}/server_info") and _answers(f"http://127.0.0.1:{mlflow_port}/health")
             if up:
                 break
             time.sleep(1)
         assert up, f"UIs did not come up; ui exited with {ui.poll()}"
-        descendants = psutil.Process(ui.pid).children(recursive=True)
 
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page()
+            page.goto(f"{base}/locations/pipelines.definitions/jobs/sft_train/playground", timeout=120_000)
+            launch = page.get_by_role("button", name="Launch run")
+            launch.wait_for(timeout=120_000)
+            launch.click()
+            page.wait_for_url("**/runs/*", timeout=120_000)
+            run_id = page.url.rstrip("/").split("/runs/")[-1].split("?")[0]
+            assert _wait_for_run(dagster_instance, run_id, timeout_s=600) == dg.DagsterRunStatus.SUCCESS
+            assert dagster_instance.get_run_by_id(run_id).job_name == "sft_train"
+            assert dagster_instance.get_dynamic_partitions("sft_checkpoints")
+            page.reload()
+            page.get_by_text("Success", exact=True).first.wait_for(timeout=60_000)
+            browser.close()
+
+        descendants = psutil.Process(ui.pid).children(recursive=True)
         os.kill(ui.pid, signal.SIGTERM)
         assert ui.wait(timeout=60) == 0
         gone, alive = psutil.wait_procs(descendants, timeout=30)
         assert not alive, f"left running after SIGTERM: {[p.cmdline()[:3] for p in alive]}"
         assert _port_is_free(dagster_port) and _port_is_free(mlflow_port)
     finally:
-        for process in [*descendants, psutil.Process(ui.pid) if ui.poll() is None else None]:
-            if process is not None and process.is_running():
+        if ui.poll() is None:
+            descendants = psutil.Process(ui.pid).children(recursive=True) + [psutil.Process(ui.pid)]
+        for process in descendants:
+            if process.is_running():
                 process.kill()
+
+
+def _wait_for_run(instance: dg.DagsterInstance, run_id: str, timeout_s: float) -> dg.DagsterRunStatus:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        run = instance.get_run_by_id(run_id)
+        if run is not None and run.is_finished:
+            return run.status
+        time.sleep(2.0)
+    raise TimeoutError(f"run {run_id} did not finish within {timeout_s:.0f} s")
 
 
 def test_printed_tracking_uri_never_shows_a_database_password() -> None:
