@@ -432,11 +432,14 @@ class LocalTinkerService:
         compressed = request.headers.get("content-encoding", "").lower() == "zstd"
         try:
             body = await self._body(request)
-            return proto_codec.decompress_zstd(body, self.config.max_request_bytes) if compressed else body
         except OversizedBody as e:
             head = proto_codec.zstd_prefix(e.head) if compressed else e.head
             raise self._refuse_unparsed_forward_backward(head, e) from e
-        except ProtocolError as e:
+        if not compressed:
+            return body
+        try:
+            return proto_codec.decompress_zstd(body, self.config.max_request_bytes)
+        except ProtocolError as e:  # malformed, or inflates past the limit
             raise self._refuse_unparsed_forward_backward(proto_codec.zstd_prefix(body), e) from e
 
     def _refuse_unparsed_forward_backward(self, head: bytes, error: ProtocolError) -> ProtocolError:
@@ -755,6 +758,11 @@ class OversizedBody(ProtocolError):
         self.head = head
 
 
+# Paths whose handler enforces the size limit itself: it reads the head of an oversized body to free
+# the request's seq_id before refusing it, so the middleware must not refuse it unread.
+SIZE_CHECKED_BY_HANDLER = frozenset({f"{API}/forward_backward"})
+
+
 def _page(request: Request, default_limit: int) -> tuple[int, int]:
     try:
         limit = int(request.query_params.get("limit", default_limit))
@@ -773,8 +781,6 @@ class GuardMiddleware:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_request_bytes = max_request_bytes
-        # The handler reads the head of these bodies to free their seq_id before refusing them.
-        self.size_checked_by_handler = frozenset({f"{API}/forward_backward"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -808,7 +814,7 @@ class GuardMiddleware:
                 what = "is missing" if not given else "is wrong"
                 return _error(401, f"the X-API-Key header {what}; set TINKER_API_KEY to the server's --api-key")
         length = headers.get(b"content-length")
-        if length is not None and scope["path"] not in self.size_checked_by_handler:
+        if length is not None and scope["path"] not in SIZE_CHECKED_BY_HANDLER:
             try:
                 too_big = int(length) > self.max_request_bytes
             except ValueError:
