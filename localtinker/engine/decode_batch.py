@@ -24,6 +24,7 @@ import torch
 from localtinker.engine.api import SampledSequence, SampleResult, SampleSpec
 from localtinker.engine.kv_rows import RowCache, concat_rows, select_rows, trim_left
 from localtinker.engine.logprobs import next_token_logits, token_logprobs
+from localtinker.engine.packed_linear import pack_frozen_linears, packed_sampling
 from localtinker.engine.sampler import SampleRow, choose_tokens, record_token, rows_for
 
 MIN_SHARED_PREFIX = 8
@@ -81,6 +82,7 @@ class DecodeBatch:
 
     def __init__(self, model: torch.nn.Module, tokenizer: object, eos_token_ids: tuple[int, ...], pad_token_id: int,
                  stats: SamplingStats | None = None) -> None:
+        pack_frozen_linears(model)  # once per model: measured at the first sampling, see packed_linear.py
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.tokenizer = tokenizer
@@ -98,6 +100,7 @@ class DecodeBatch:
         return sum(row.stop_reason is None for row in self.rows)
 
     @torch.inference_mode()
+    @packed_sampling()
     def admit(self, requests: list[tuple[Hashable, SampleSpec]]) -> list[tuple[Hashable, SampleResult]]:
         """Adds requests to the batch; returns those already complete (max_tokens 0 or 1, or an instant stop)."""
         self._compact()
@@ -135,6 +138,7 @@ class DecodeBatch:
         return [(record.key, record.result()) for record in done]
 
     @torch.inference_mode()
+    @packed_sampling()
     def step(self) -> list[tuple[Hashable, SampleResult]]:
         """One decode step for every row; returns the requests whose last row just finished."""
         live = [i for i, row in enumerate(self.rows) if row.stop_reason is None]

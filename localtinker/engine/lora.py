@@ -168,7 +168,7 @@ def install_fused_forward(model: torch.nn.Module) -> None:
 def fused_lora_forward(
     layer: Any, peft_forward: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, **kwargs: Any
 ) -> torch.Tensor:
-    """base(x) + (x Aᵀ)(s·B)ᵀ with the add inside one ``addmm``: the same function as peft's
+    """base(x) + (x Aᵀ)(s·B)ᵀ with the add inside one in-place ``addmm_``: the same function as peft's
     ``base(x) + B(A(x)) * s``, without its two elementwise passes over the (tokens × out) output in the
     forward and the scaling pass in the backward (on lm_head that output is tokens × 49152). Mixed
     dtypes get peft's formula on the one base output; anything but the plain case (one active vanilla
@@ -181,12 +181,18 @@ def fused_lora_forward(
     if not plain or not isinstance(layer.lora_dropout[name], torch.nn.Identity):
         return peft_forward(x, *args, **kwargs)
     lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
-    base = layer.base_layer(x)
-    if base.dtype != lora_b.dtype or x.dtype != lora_a.dtype:
+    if x.dtype != lora_a.dtype or lora_a.dtype != lora_b.dtype:
         # Mixed precision (bf16 compute or autocast): peft's formula, reusing the base output.
+        base = layer.base_layer(x)
         delta = torch.nn.functional.linear(torch.nn.functional.linear(x.to(lora_a.dtype), lora_a), lora_b)
         return base + (delta * layer.scaling[name]).to(base.dtype)
-    down = torch.nn.functional.linear(x, lora_a)
-    up = (lora_b * layer.scaling[name]).t()
-    out = torch.addmm(base.reshape(-1, base.shape[-1]), down.reshape(-1, down.shape[-1]), up)
-    return out.view(base.shape)
+    rows = x.reshape(-1, x.shape[-1])
+    base = layer.base_layer(rows)
+    if base.dtype != lora_b.dtype:
+        delta = torch.nn.functional.linear(torch.nn.functional.linear(rows, lora_a), lora_b)
+        return (base + (delta * layer.scaling[name]).to(base.dtype)).view(*x.shape[:-1], -1)
+    # In place on the 2-D base output: it is a fresh tensor nothing else holds (its backward needs x and
+    # the weight, not it), so no new [tokens × out] buffer and copy. Not through a view of a 3-D output:
+    # autograd would then copy the whole gradient back (CopySlices) in the backward.
+    base.addmm_(torch.nn.functional.linear(rows, lora_a), (lora_b * layer.scaling[name]).t())
+    return base.view(*x.shape[:-1], base.shape[-1])

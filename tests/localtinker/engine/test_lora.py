@@ -47,7 +47,9 @@ def test_fused_forward_matches_peft_in_values_and_gradients(monkeypatch):
     torch.testing.assert_close(fused_logits, peft_logits, rtol=1e-5, atol=1e-5)
     assert fused_grads.keys() == peft_grads.keys() and any("lm_head" in key for key in fused_grads)
     for key in fused_grads:
-        torch.testing.assert_close(fused_grads[key], peft_grads[key], rtol=1e-4, atol=1e-6, msg=key)
+        # Same function, another float32 summation order: agreement to rounding at the gradient's scale.
+        scale = float(peft_grads[key].abs().max())
+        torch.testing.assert_close(fused_grads[key], peft_grads[key], rtol=1e-4, atol=1e-5 * scale, msg=key)
 
 
 def test_every_lora_layer_is_routed_through_the_fused_forward_once():

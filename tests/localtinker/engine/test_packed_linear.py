@@ -1,0 +1,95 @@
+"""Packed frozen linears: used only while sampling without autograd, never for LoRA factors, same function."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import localtinker.engine.packed_linear as packed_linear
+from localtinker.engine.api import LoraSpec
+from localtinker.engine.lora import AdapterHost
+from localtinker.engine.models import tiny_random_dir
+
+pytestmark = pytest.mark.skipif(not packed_linear.packing_available(), reason="this torch build has no oneDNN")
+
+
+def _frozen_tiny_model() -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(tiny_random_dir(), dtype=torch.float32).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _packed(module: torch.nn.Module) -> packed_linear.PackedWeight | None:
+    found = getattr(module, "_localtinker_packed", None)
+    return found if isinstance(found, packed_linear.PackedWeight) else None
+
+
+def test_packed_path_is_taken_only_inside_packed_sampling_without_autograd():
+    model = _frozen_tiny_model()
+    head = model.get_output_embeddings()
+    plain = head.weight.detach().clone()
+    packed_linear.pack_frozen_linears(model, measure=False)
+    assert _packed(head) is not None
+    # Re-pack the head from other weights: only calls that take the packed path see them.
+    other = torch.randn_like(plain)
+    head._localtinker_packed = packed_linear.PackedWeight(
+        torch.ops.mkldnn._reorder_linear_weight(other, 32), few_rows=True, many_rows=True
+    )
+    x = torch.randn(5, plain.shape[1])
+    with torch.inference_mode():
+        assert torch.equal(head(x), torch.nn.functional.linear(x, plain))
+        with packed_linear.packed_sampling():
+            torch.testing.assert_close(head(x), torch.nn.functional.linear(x, other), rtol=1e-4, atol=1e-4)
+        assert torch.equal(head(x), torch.nn.functional.linear(x, plain))  # the block restored the state
+    with packed_linear.packed_sampling():
+        needs_grad = x.clone().requires_grad_()
+        out = head(needs_grad)  # autograd on: the plain kernel, which has a backward
+        assert torch.equal(out.detach(), torch.nn.functional.linear(x, plain))
+        out.sum().backward()
+        assert needs_grad.grad is not None
+
+
+def test_packed_kernel_computes_the_same_function_and_is_batch_invariant():
+    model = _frozen_tiny_model()
+    tokens = torch.randint(0, model.config.vocab_size, (6, 9))
+    with torch.inference_mode():
+        expected = model(input_ids=tokens).logits
+        packed_linear.pack_frozen_linears(model, measure=False)
+        with packed_linear.packed_sampling():
+            together = model(input_ids=tokens).logits
+            alone = torch.cat([model(input_ids=tokens[i : i + 1]).logits for i in range(len(tokens))])
+    torch.testing.assert_close(together, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(alone, together)  # a row's logits do not depend on the rows beside it
+
+
+def test_lora_factors_are_never_packed_and_adapter_changes_reach_sampling():
+    model = _frozen_tiny_model()
+    host = AdapterHost(model)
+    name = host.add_adapter(LoraSpec(rank=4, train_attn=True, train_mlp=True, train_unembed=True), seed=0)
+    choices = packed_linear.pack_frozen_linears(model, measure=False)
+    assert choices and all(few and many for few, many in choices.values())
+    packed = {path for path, module in model.named_modules() if _packed(module) is not None}
+    assert packed and not [path for path in packed if "lora_" in path]
+    assert all(".base_layer" in path or path.endswith("lm_head") for path in packed), sorted(packed)[:5]
+    tokens = torch.randint(0, model.config.vocab_size, (2, 7))
+
+    def sampled_logits() -> torch.Tensor:
+        with torch.inference_mode(), host.activated(name), packed_linear.packed_sampling():
+            return model(input_ids=tokens).logits
+
+    before = sampled_logits()
+    with torch.no_grad():
+        for key, param in host.parameters(name).items():
+            if "lora_B" in key:
+                param.add_(0.1)
+    assert not torch.allclose(sampled_logits(), before)
+    assert packed_linear.pack_frozen_linears(model) is choices  # once per model
+
+
+def test_measured_choice_packs_nothing_when_the_kernel_never_wins(monkeypatch):
+    monkeypatch.setattr(packed_linear, "_packed_faster", lambda weight, packed, rows: False)
+    model = _frozen_tiny_model()
+    choices = packed_linear.pack_frozen_linears(model)
+    assert choices and not any(few or many for few, many in choices.values())
+    assert not [path for path, module in model.named_modules() if _packed(module) is not None]
