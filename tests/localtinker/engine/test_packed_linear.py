@@ -20,9 +20,9 @@ def _frozen_tiny_model() -> torch.nn.Module:
     return model
 
 
-def _packed(module: torch.nn.Module) -> packed_linear.PackedWeight | None:
+def _packed(module: torch.nn.Module) -> torch.Tensor | None:
     found = getattr(module, "_localtinker_packed", None)
-    return found if isinstance(found, packed_linear.PackedWeight) else None
+    return found if isinstance(found, torch.Tensor) else None
 
 
 def test_packed_path_is_taken_only_inside_packed_sampling_without_autograd():
@@ -33,9 +33,7 @@ def test_packed_path_is_taken_only_inside_packed_sampling_without_autograd():
     assert _packed(head) is not None
     # Re-pack the head from other weights: only calls that take the packed path see them.
     other = torch.randn_like(plain)
-    head._localtinker_packed = packed_linear.PackedWeight(
-        torch.ops.mkldnn._reorder_linear_weight(other, 32), few_rows=True, many_rows=True
-    )
+    head._localtinker_packed = packed_linear.pack_weight(other)
     x = torch.randn(5, plain.shape[1])
     with torch.inference_mode():
         assert torch.equal(head(x), torch.nn.functional.linear(x, plain))
@@ -68,7 +66,7 @@ def test_lora_factors_are_never_packed_and_adapter_changes_reach_sampling():
     host = AdapterHost(model)
     name = host.add_adapter(LoraSpec(rank=4, train_attn=True, train_mlp=True, train_unembed=True), seed=0)
     choices = packed_linear.pack_frozen_linears(model, measure=False)
-    assert choices and all(few and many for few, many in choices.values())
+    assert choices and all(choices.values())
     packed = {path for path, module in model.named_modules() if _packed(module) is not None}
     assert packed and not [path for path in packed if "lora_" in path]
     assert all(".base_layer" in path or path.endswith("lm_head") for path in packed), sorted(packed)[:5]
@@ -88,8 +86,8 @@ def test_lora_factors_are_never_packed_and_adapter_changes_reach_sampling():
 
 
 def test_measured_choice_packs_nothing_when_the_kernel_never_wins(monkeypatch):
-    monkeypatch.setattr(packed_linear, "_packed_faster", lambda weight, packed, rows: False)
+    monkeypatch.setattr(packed_linear, "_packed_wins", lambda weight: False)
     model = _frozen_tiny_model()
     choices = packed_linear.pack_frozen_linears(model)
-    assert choices and not any(few or many for few, many in choices.values())
+    assert choices and not any(choices.values())
     assert not [path for path, module in model.named_modules() if _packed(module) is not None]
