@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch
 
 _PROBE_ROWS = (32, 128)  # a decode step, a prefill
-_PROBE_REPEATS = 3  # after one warm-up round; SmolLM2's shapes take ~1.5 s in all, once per process
+_PROBE_REPEATS = 3  # after one warm-up round; SmolLM2's shapes take ~2.5 s in all, once per process
 _MIN_GAIN = 0.25  # with few rows the packed kernel must be this much faster ...
 _MAX_LOSS = 0.05  # ... and with many rows at most this much slower
 _ATTRIBUTE = "_localtinker_packed"
