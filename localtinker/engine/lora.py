@@ -181,18 +181,15 @@ def fused_lora_forward(
     if not plain or not isinstance(layer.lora_dropout[name], torch.nn.Identity):
         return peft_forward(x, *args, **kwargs)
     lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
-    if x.dtype != lora_a.dtype or lora_a.dtype != lora_b.dtype:
-        # Mixed precision (bf16 compute or autocast): peft's formula, reusing the base output.
-        base = layer.base_layer(x)
-        delta = torch.nn.functional.linear(torch.nn.functional.linear(x.to(lora_a.dtype), lora_a), lora_b)
-        return base + (delta * layer.scaling[name]).to(base.dtype)
     rows = x.reshape(-1, x.shape[-1])
     base = layer.base_layer(rows)
-    if base.dtype != lora_b.dtype:
-        delta = torch.nn.functional.linear(torch.nn.functional.linear(rows, lora_a), lora_b)
-        return (base + (delta * layer.scaling[name]).to(base.dtype)).view(*x.shape[:-1], -1)
-    # In place on the 2-D base output: it is a fresh tensor nothing else holds (its backward needs x and
-    # the weight, not it), so no new [tokens × out] buffer and copy. Not through a view of a 3-D output:
-    # autograd would then copy the whole gradient back (CopySlices) in the backward.
-    base.addmm_(torch.nn.functional.linear(rows, lora_a), (lora_b * layer.scaling[name]).t())
+    if rows.dtype != lora_a.dtype or lora_a.dtype != lora_b.dtype or base.dtype != lora_b.dtype:
+        # Mixed precision (bf16 compute or autocast): peft's formula, reusing the one base output.
+        delta = torch.nn.functional.linear(torch.nn.functional.linear(rows.to(lora_a.dtype), lora_a), lora_b)
+        base = base + (delta * layer.scaling[name]).to(base.dtype)
+    else:
+        # In place on the 2-D base output: a fresh tensor nothing else holds (its backward needs x and the
+        # weight, not it), so no new [tokens × out] buffer and copy. Not through a view of a 3-D output:
+        # autograd would then copy the whole gradient back (CopySlices) in the backward.
+        base.addmm_(torch.nn.functional.linear(rows, lora_a), (lora_b * layer.scaling[name]).t())
     return base.view(*x.shape[:-1], base.shape[-1])

@@ -31,7 +31,8 @@ _PROBE_ROWS = (32, 128)  # a decode step, a prefill
 _PROBE_REPEATS = 3  # after one warm-up round; SmolLM2's shapes take ~2.5 s in all, once per process
 _MIN_GAIN = 0.25  # with few rows the packed kernel must be this much faster ...
 _MAX_LOSS = 0.05  # ... and with many rows at most this much slower
-_ATTRIBUTE = "_localtinker_packed"
+_PACKED = "_localtinker_packed"  # on a packed layer: its packed weight
+_CHOICES = "_localtinker_packing_choices"  # on the model: {(out, in): packed}, once packed
 
 _state = threading.local()
 
@@ -67,29 +68,29 @@ def pack_frozen_linears(model: torch.nn.Module, measure: bool = True) -> dict[tu
     Done once per model (later calls return the first choices). ``measure=False`` packs every one
     (tests exercise the packed path that way on any CPU). Returns {(out, in): packed}.
     """
-    done = getattr(model, _ATTRIBUTE, None)
+    done = getattr(model, _CHOICES, None)
     if done is not None:
         return done
     choices: dict[tuple[int, int], bool] = {}
     if packing_available():
         for name, module in model.named_modules():
             if (not isinstance(module, torch.nn.Linear) or ".lora_" in f".{name}" or module.weight.requires_grad
-                    or module.weight.dtype != torch.float32 or hasattr(module, _ATTRIBUTE)):
+                    or module.weight.dtype != torch.float32):
                 continue
             shape = tuple(module.weight.shape)
             if shape not in choices:
                 choices[shape] = _packed_wins(module.weight) if measure else True
             if choices[shape]:
-                setattr(module, _ATTRIBUTE, pack_weight(module.weight))
+                setattr(module, _PACKED, pack_weight(module.weight))
                 plain_forward = module.forward
                 module.forward = lambda x, _m=module, _plain=plain_forward: _forward(_m, _plain, x)
-    setattr(model, _ATTRIBUTE, choices)
+    setattr(model, _CHOICES, choices)
     return choices
 
 
 def _forward(module: torch.nn.Linear, plain_forward, x: torch.Tensor) -> torch.Tensor:
     if getattr(_state, "active", False) and not torch.is_grad_enabled() and x.dtype == torch.float32 and x.numel():
-        return packed_linear(x, getattr(module, _ATTRIBUTE), module.bias)
+        return packed_linear(x, getattr(module, _PACKED), module.bias)
     return plain_forward(x)
 
 

@@ -21,8 +21,7 @@ def _frozen_tiny_model() -> torch.nn.Module:
 
 
 def _packed(module: torch.nn.Module) -> torch.Tensor | None:
-    found = getattr(module, "_localtinker_packed", None)
-    return found if isinstance(found, torch.Tensor) else None
+    return getattr(module, "_localtinker_packed", None)
 
 
 def test_packed_path_is_taken_only_inside_packed_sampling_without_autograd():
