@@ -115,30 +115,41 @@ def _stop_reason(row: SampleRow, token: int, tokenizer: Any) -> str | None:
 def choose_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples one token per row; returns (tokens, their logprobs under the temperature-scaled distribution).
 
-    Inverse-CDF sampling with one uniform per row from the row's own generator. The vocabulary is large
-    (49k) and this runs for every row at every step, so it makes few full passes: logsumexp, exp, cumsum.
+    Overwrites ``logits`` (float32 [rows, vocab], the caller's own): this runs for every row at every
+    decode step over the 49k vocabulary, and each fresh [rows × vocab] buffer costs a page-faulting
+    allocation on top of its pass (with 512 rows, a buffer is 100 MB). So it makes one allocation and
+    a few passes: max, subtract, exp, sum, cumsum. Inverse-CDF sampling with one uniform per row from
+    the row's own generator.
     """
     temperatures = torch.tensor([row.temperature if row.temperature > 0 else 1.0 for row in rows])
-    scaled = logits / temperatures[:, None]
-    log_normaliser = torch.logsumexp(scaled, dim=-1, keepdim=True)
-    log_probs = scaled.sub_(log_normaliser)
-    filtered = _filter_top_k_top_p(log_probs, rows)
-    cdf = filtered.exp().cumsum_(dim=-1)
+    if not bool((temperatures == 1).all()):
+        logits.div_(temperatures[:, None])
+    shifted = logits.sub_(logits.amax(dim=-1, keepdim=True))  # <= 0, the largest exactly 0
+    if _filters(rows, logits.shape[-1]):
+        log_totals = torch.logsumexp(shifted, dim=-1, keepdim=True)
+        weights = _filter_top_k_top_p(shifted - log_totals, rows).exp_()
+    else:
+        weights = shifted.exp()
+        log_totals = weights.sum(dim=-1, keepdim=True).log_()
+    cdf = weights.cumsum_(dim=-1)
     uniforms = torch.stack([torch.rand((), generator=row.generator) for row in rows])
     tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
     tokens = tokens.clamp_(max=logits.shape[-1] - 1)
     greedy = [i for i, row in enumerate(rows) if row.temperature == 0]
     if greedy:
-        tokens[greedy] = log_probs[greedy].argmax(dim=-1)
-    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+        tokens[greedy] = shifted[greedy].argmax(dim=-1)
+    return tokens, (shifted.gather(-1, tokens[:, None]) - log_totals).squeeze(-1)
+
+
+def _filters(rows: list[SampleRow], vocab: int) -> bool:
+    """Whether any row limits its choice with top-k or top-p."""
+    return any(0 < row.top_k < vocab or row.top_p < 1 for row in rows)
 
 
 def _filter_top_k_top_p(log_probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     vocab = log_probs.shape[-1]
     top_k = torch.tensor([row.top_k if 0 < row.top_k < vocab else vocab for row in rows])
     top_p = torch.tensor([row.top_p for row in rows])
-    if bool((top_k == vocab).all()) and bool((top_p >= 1).all()):
-        return log_probs
     sorted_logprobs, order = log_probs.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab)[None, :]
     probs_before = sorted_logprobs.exp().cumsum(dim=-1) - sorted_logprobs.exp()
