@@ -8,7 +8,7 @@ import torch
 
 from localtinker.engine.api import AdamSpec, DatumArrays, EngineUserError, LoraSpec, SampleSpec
 from localtinker.engine.decode_batch import shared_prefix_length
-from localtinker.engine.sampler import SampleRow, choose_tokens
+from localtinker.engine.sampler import SampleRow, _inverse_cdf, choose_tokens
 from tests.localtinker.engine.reference import TINY, ReferenceModel, sft_datum
 
 
@@ -199,3 +199,31 @@ def test_top_k_and_top_p_restrict_the_candidates_but_not_the_reported_logprob():
     np.testing.assert_allclose(logprobs.numpy(), logits[tokens].numpy(), atol=1e-6)  # unfiltered distribution
     frequencies = np.bincount(tokens[400:].numpy(), minlength=4) / 400
     np.testing.assert_allclose(frequencies, [0.4, 0.3, 0.2, 0.1], atol=0.07)
+
+
+@pytest.mark.parametrize("vocab", [49152, 50001, 1000, 3])
+def test_the_blocked_inverse_cdf_picks_what_a_full_cumulative_sum_picks_and_never_a_zero_weight(vocab):
+    generator = torch.Generator().manual_seed(vocab)
+    weights = torch.rand(64, vocab, generator=generator) ** 8
+    weights[:, 1::3] = 0.0  # filtered tokens (top-k/top-p leave zeros)
+    uniforms = torch.rand(64, generator=generator)
+    uniforms[:4] = torch.tensor([0.0, 1e-9, 1 - 2**-24, 1 - 2**-24])  # both ends of the draw
+    reference = torch.searchsorted(  # in float64, with one full cumulative sum per row
+        weights.double().cumsum(-1), (uniforms.double() * weights.double().sum(-1))[:, None], right=True
+    ).squeeze(-1).clamp(max=vocab - 1)
+    tokens = _inverse_cdf(weights, uniforms)
+    assert (weights.gather(-1, tokens[:, None]) > 0).all()
+    # float32 sums in another order than one float64 cumulation: a draw within rounding of a step's edge may
+    # land on the neighbouring non-zero token (here 1 row of 60 at most; a float32 full cumsum does the same)
+    differ = (tokens != reference).nonzero().squeeze(-1)
+    assert len(differ[differ >= 4]) <= 2 and ((tokens - reference).abs()[differ] <= 2).all()
+
+
+def test_sampled_frequencies_follow_the_weights_across_blocks():
+    weights = torch.zeros(1, 3000)
+    weights[0, [0, 1, 1500, 2999]] = torch.tensor([1.0, 2.0, 5.0, 2.0])
+    generator = torch.Generator().manual_seed(0)
+    tokens = _inverse_cdf(weights.expand(40000, -1), torch.rand(40000, generator=generator))
+    frequencies = torch.bincount(tokens, minlength=3000)[[0, 1, 1500, 2999]].double() / 40000
+    np.testing.assert_allclose(frequencies.numpy(), [0.1, 0.2, 0.5, 0.2], atol=0.01)
+    assert torch.bincount(tokens, minlength=3000).sum() == 40000 and set(tokens.unique().tolist()) == {0, 1, 1500, 2999}
