@@ -2,12 +2,13 @@
 
 A row is one sample of one request. Each row carries its own temperature, top-k, top-p, token budget,
 stop strings/ids and random generator, seeded from the request seed and the sample index, so the same
-seed gives the same samples whatever else is decoding beside it (see ``decode_batch.py`` for the KV
-cache the rows share and ``sample_stream.py`` for how requests join and leave).
+seed gives the same samples whatever else is decoding beside it, up to float rounding: BLAS sums 1-3
+rows in another order than 4 or more (engine README). See ``decode_batch.py`` for the KV cache the rows
+share and ``sample_stream.py`` for how requests join and leave.
 
-Reported logprobs are those of the temperature-scaled, *unfiltered* distribution, computed by
-:mod:`logprobs` exactly as the trainer computes them. Temperature 0 means greedy decoding; its
-logprobs are then those of the unscaled distribution.
+Reported logprobs are those of the temperature-scaled, *unfiltered* distribution: at temperature 1 the
+trainer's logprobs of the same tokens to ~1e-5 (float32; tested). Temperature 0 means greedy decoding;
+its logprobs are then those of the unscaled distribution.
 """
 
 from __future__ import annotations
