@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,20 +18,15 @@ import tinker
 from tinker import types
 
 from localtinker.server import start_server
+from tests.fixtures.network import free_port
 from tests.fixtures.server import LOCAL_API_KEY, TINY_MODEL
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def cli_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    storage, port = tmp_path / "storage", _free_port()
+    storage, port = tmp_path / "storage", free_port()
     env = {k: v for k, v in os.environ.items() if k != "TINKER_API_KEY"}
     process = subprocess.Popen(
         [sys.executable, "-m", "localtinker", "serve", "--port", str(port), "--storage", str(storage), "--log-level", "warning"],

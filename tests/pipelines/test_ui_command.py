@@ -19,17 +19,12 @@ import pytest
 from pipelines.definitions import build_definitions
 from resources.state import repo_root
 from tests.fixtures.dagster_env import TINY_CHAIN_CONFIG, TINY_MODEL, tiny_resources
+from tests.fixtures.network import free_port
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-dev-shm-usage"
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _answers(url: str) -> bool:
@@ -62,7 +57,7 @@ def test_ui_serves_both_uis_launches_training_from_the_launchpad_and_leaves_noth
     data = build_definitions(tiny_resources(project_state)).resolve_job_def("sft_data")
     assert data.execute_in_process(instance=dagster_instance, run_config=data_config).success
 
-    dagster_port, mlflow_port = _free_port(), _free_port()
+    dagster_port, mlflow_port = free_port(), free_port()
     command = ["-m", "pipelines", "ui", "--dagster-port", str(dagster_port), "--mlflow-port", str(mlflow_port)]
     ui = subprocess.Popen(
         [sys.executable, *command],

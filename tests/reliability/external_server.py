@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +16,10 @@ from pathlib import Path
 
 import httpx
 
+from tests.fixtures.network import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_SECONDS = 300  # torch import + model load; minutes on a loaded 2-core machine
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

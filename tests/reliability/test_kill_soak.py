@@ -77,9 +77,9 @@ SOAK_RECIPES = [
         {"rl_problems": {"config": {"limit": 16, "heldout_fraction": 0.25}},
          "preference_comparisons": {"config": {"limit": 64, "heldout_fraction": 0.1}},
          "reference_logprobs": {"config": {"pairs": "preference_pairs", "reference": ""}}},
-        {"dpo_checkpoint": {"config": {"pairs": "preference_pairs", "init_from": "", "max_steps": 16, "save_every": 2, "lora_rank": 4,
+        {"dpo_checkpoint": {"config": {"pairs": "preference_pairs", "init_from": "", "max_steps": 24, "save_every": 2, "lora_rank": 4,
                                        "learning_rate": 1e-3, "batch_size": 2}}},
-        total_steps=16, save_every=2, loss_metric="dpo_loss",
+        total_steps=24, save_every=2, loss_metric="dpo_loss",
     ),
 ]
 
@@ -125,13 +125,16 @@ def _soak(recipe: SoakRecipe, root: Path, rng: random.Random) -> tuple[SoakFigur
         child = _child(recipe.name, args, root / "runs.log")
         log_dir = next(iter(training.glob("*")), None) if training.exists() else None
         kill = figures.run_kills < KILLS
-        # at most one new record per kill (plus what lands during the delay): 8+ records leave room for all KILLS
+        # At most two new records per kill (one waited for, one more may land during the delay, which ends early
+        # when it does): 12+ records leave room for all KILLS however fast the steps run on this machine.
         wait_for_records, extra_delay = _records(log_dir) + rng.randint(0, 1), rng.uniform(0.0, 4.0)
         deadline = time.monotonic() + ATTEMPT_TIMEOUT_S
         while child.poll() is None and kill:
             log_dir = next(iter(training.glob("*")), None) if training.exists() else None
             if _records(log_dir) >= wait_for_records:
-                time.sleep(extra_delay)
+                delay_ends = time.monotonic() + extra_delay
+                while time.monotonic() < delay_ends and _records(log_dir) <= wait_for_records and child.poll() is None:
+                    time.sleep(0.05)
                 break
             assert time.monotonic() < deadline, f"{recipe.name}: attempt {figures.attempts} hung"
             time.sleep(0.1)
