@@ -2,7 +2,8 @@
 
 - PostgreSQL (``postgres_cluster``) holds Dagster's runs, events and schedules (database ``dagster``) and
   MLflow's tracking store (database ``mlflow``);
-- DAGSTER_HOME holds a verbatim copy of ``deploy/postgres/dagster.yaml``;
+- DAGSTER_HOME holds a verbatim copy of ``deploy/postgres/dagster.yaml``, and the ``tinker`` pool's limit is set
+  with ``dagster instance concurrency set`` before anything is queued;
 - one localtinker server stands in for hosted Tinker, shared by every run;
 - a gRPC code server serves ``pipelines.definitions`` (the production code location, unchanged);
 - ``dagster-daemon run`` with ``deploy/postgres/workspace.yaml`` dequeues runs, ticks the automation sensor and
@@ -33,6 +34,7 @@ from tests.scaleout.postgres_cluster import HOST, PostgresCluster, free_loopback
 
 PROFILE_DIR = repo_root() / "deploy" / "postgres"
 BIN = Path(sys.executable).parent
+POOL, POOL_LIMIT = "tinker", 1  # the training assets' pool; one training run at a time in the test
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,11 @@ def running_deployment(cluster: PostgresCluster, root: Path, base_model: str) ->
         )  # fmt: skip
         stack.callback(_stop, code_server)
         deployment = Deployment(root, env, home, cluster.url("mlflow"), logs)
+        # As deploy/README.md says: the pool's limit is set before any run is queued. Left to `default_limit`, the
+        # daemon creates it during its first dequeue and lets every run queued by then through unlimited.
+        set_limit = [str(BIN / "dagster"), "instance", "concurrency", "set", POOL, str(POOL_LIMIT)]
+        result = subprocess.run(set_limit, env=env, cwd=repo_root(), capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, f"{' '.join(set_limit)} failed: {result.stdout[-2000:]}{result.stderr[-2000:]}"
         wait_until(lambda: _http_ok(f"{env['TINKER_BASE_URL']}/api/v1/healthz"), 120, lambda: deployment.log_tail("localtinker"))
         wait_until(lambda: _grpc_healthy(env, code_port), 240, lambda: deployment.log_tail("code_server"), every_s=3)
         daemon = _start("daemon", [str(BIN / "dagster-daemon"), "run", "-w", str(PROFILE_DIR / "workspace.yaml")], env, logs)
