@@ -2,8 +2,8 @@
 from failure each time, and check that nothing was lost or repeated.
 
 For each recipe (SFT, RL, DPO on offline pairs) on the tiny model: its data assets are materialized once; then the ``<recipe>_train`` job runs in a
-child process that is SIGKILLed at a random moment (after a random number of new checkpoint records plus a
-random delay), ``KILLS`` times; every third kill also SIGKILLs the external server, restarted on the same
+child process that is SIGKILLed at a random moment (after 0 or 1 new checkpoint records, then either at the
+first optimizer step past the last record or after a random fraction of one record interval), ``KILLS`` times; every third kill also SIGKILLs the external server, restarted on the same
 storage dir and port. Each kill is followed by ``report_run_failed`` (what run monitoring does) and a
 re-execution from failure, itself a killable child. Then:
 - the last run succeeds; ``checkpoints.jsonl`` holds each planned checkpoint once;
@@ -100,6 +100,11 @@ def _child(recipe: str, args: list[str], log: Path) -> subprocess.Popen:
                                 start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
 
 
+def _optim_steps(server_log: Path) -> int:
+    """Optimizer steps the server has received so far (its access log survives restarts: appended)."""
+    return server_log.read_text(errors="replace").count("/optim_step ") if server_log.exists() else 0
+
+
 def _records(log_dir: Path | None) -> int:
     return len(read_checkpoints(log_dir)) if log_dir is not None and (log_dir / "checkpoints.jsonl").exists() else 0
 
@@ -110,7 +115,8 @@ def _soak(recipe: SoakRecipe, root: Path, rng: random.Random) -> tuple[SoakFigur
 
     state = root / "state"
     figures = SoakFigures(recipe.name)
-    server = start_external_server(root / "server-storage", root / "server.log", log_level="info")
+    server_log = root / "server.log"
+    server = start_external_server(root / "server-storage", server_log, log_level="info")
     os.environ["TINKER_BASE_URL"] = server.base_url
     instance = dg.DagsterInstance.from_config(str(ensure_dagster_home()))
     data = build_definitions(soak_resources()).resolve_implicit_global_asset_job_def()
@@ -119,25 +125,41 @@ def _soak(recipe: SoakRecipe, root: Path, rng: random.Random) -> tuple[SoakFigur
 
     args = [json.dumps({"ops": recipe.train_config})]
     training = state / "training"
+    interval = 4.0  # seconds from one checkpoint record to the next, re-measured as records land
     while True:
         figures.attempts += 1
         assert figures.attempts <= MAX_ATTEMPTS, f"{recipe.name}: no successful run after {MAX_ATTEMPTS} attempts"
         child = _child(recipe.name, args, root / "runs.log")
         log_dir = next(iter(training.glob("*")), None) if training.exists() else None
         kill = figures.run_kills < KILLS
-        # At most two new records per kill (one waited for, one more may land during the delay, which ends early
-        # when it does): 12+ records leave room for all KILLS however fast the steps run on this machine.
-        wait_for_records, extra_delay = _records(log_dir) + rng.randint(0, 1), rng.uniform(0.0, 4.0)
+        # Kill at a random moment after 0 or 1 new checkpoint records: half the time as soon as the server sees the
+        # first optimizer step past the last record (mid-interval, so that step is redone), half the time after a
+        # random fraction of one record-to-record interval (measured as records land; 4 s until then). Either wait
+        # ends early if another record lands: at most two new records per kill, and 12+ records leave room for all
+        # KILLS however fast the steps run.
+        wait_for_records = _records(log_dir) + rng.randint(0, 1)
+        seen, seen_at = _records(log_dir), None
         deadline = time.monotonic() + ATTEMPT_TIMEOUT_S
         while child.poll() is None and kill:
             log_dir = next(iter(training.glob("*")), None) if training.exists() else None
-            if _records(log_dir) >= wait_for_records:
-                delay_ends = time.monotonic() + extra_delay
-                while time.monotonic() < delay_ends and _records(log_dir) <= wait_for_records and child.poll() is None:
-                    time.sleep(0.05)
+            current = _records(log_dir)
+            if current > seen:
+                now = time.monotonic()
+                if seen_at is not None:
+                    interval = (now - seen_at) / (current - seen)
+                seen, seen_at = current, now
+            if current >= wait_for_records:
+                if rng.random() < 0.5:
+                    steps = _optim_steps(server_log)
+                    kill_now = lambda: _optim_steps(server_log) > steps  # noqa: E731
+                else:
+                    delay_ends = time.monotonic() + rng.uniform(0.0, 1.0) * interval
+                    kill_now = lambda: time.monotonic() >= delay_ends  # noqa: E731
+                while not kill_now() and _records(log_dir) <= current and child.poll() is None:
+                    time.sleep(0.02)
                 break
             assert time.monotonic() < deadline, f"{recipe.name}: attempt {figures.attempts} hung"
-            time.sleep(0.1)
+            time.sleep(0.05)
         if kill and child.poll() is None:
             if figures.run_kills % SERVER_KILL_EVERY == SERVER_KILL_EVERY - 1:
                 server.kill()
@@ -197,7 +219,7 @@ def test_random_kills_of_run_and_server_lose_and_repeat_nothing(recipe: SoakReci
             sample = sampler.sample(tinker.ModelInput.from_ints([1, 2, 3]), 1, tinker.SamplingParams(max_tokens=2, seed=0)).result()
             assert len(sample.sequences[0].tokens) == 2
 
-        figures.optim_steps_executed = (tmp_path / "server.log").read_text().count("/optim_step ")
+        figures.optim_steps_executed = _optim_steps(tmp_path / "server.log")
         figures.steps_redone = figures.optim_steps_executed - recipe.total_steps
         assert figures.run_kills == KILLS and figures.steps_redone >= 0
         print(f"\nSOAK {recipe.name}: attempts={figures.attempts} run_kills={figures.run_kills} server_kills={figures.server_kills} "
