@@ -1,10 +1,11 @@
 """Kill soak: SIGKILL the training run (and, some iterations, the localtinker server) at random moments, re-execute
 from failure each time, and check that nothing was lost or repeated.
 
-For each recipe (SFT, RL, DPO on offline pairs) on the tiny model: its data assets are materialized once; then the ``<recipe>_train`` job runs in a
-child process that is SIGKILLed at a random moment (after 0 or 1 new checkpoint records, then either at the
-first optimizer step past the last record or after a random fraction of one record interval), ``KILLS`` times; every third kill also SIGKILLs the external server, restarted on the same
-storage dir and port. Each kill is followed by ``report_run_failed`` (what run monitoring does) and a
+For each recipe (SFT, RL, DPO on offline pairs) on the tiny model: its data assets are materialized once; then
+the ``<recipe>_train`` job runs in a child process that is SIGKILLed at a random moment (after 0 or 1 new
+checkpoint records, then either at the first optimizer step past the last record or after a random fraction
+of one record interval), ``KILLS`` times; every third kill also SIGKILLs the external server, restarted on the
+same storage dir and port. Each kill is followed by ``report_run_failed`` (what run monitoring does) and a
 re-execution from failure, itself a killable child. Then:
 - the last run succeeds; ``checkpoints.jsonl`` holds each planned checkpoint once;
 - one manifest and one ``<recipe>_checkpoints`` partition per record, with the record's paths;

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from resources.state import repo_root
-from tests.scaleout.postgres_cluster import HOST, PostgresCluster, free_loopback_port
+from tests.fixtures.network import free_port
+from tests.scaleout.postgres_cluster import HOST, PostgresCluster
 
 PROFILE_DIR = repo_root() / "deploy" / "postgres"
 BIN = Path(sys.executable).parent
@@ -47,16 +48,20 @@ class Deployment:
 
     def launch(self, job: str, run_config: Mapping[str, Any], tags: Mapping[str, str]) -> None:
         """``dagster job launch``: with the QueuedRunCoordinator this only enqueues the run."""
-        command = [
-            str(BIN / "dagster"), "job", "launch",
+        self.dagster(
+            "job", "launch",
             "-w", str(PROFILE_DIR / "workspace.yaml"),
             "-j", job,
             "--config-json", json.dumps(run_config),
             "--tags", json.dumps(dict(tags)),
-        ]  # fmt: skip
+        )  # fmt: skip
+
+    def dagster(self, *args: str) -> None:
+        """One ``dagster`` CLI command against this deployment's instance; raises with its output if it fails."""
+        command = [str(BIN / "dagster"), *args]
         result = subprocess.run(command, env=self.env, cwd=repo_root(), capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
-            raise RuntimeError(f"dagster job launch -j {job} failed: {result.stdout[-3000:]}{result.stderr[-3000:]}")
+            raise RuntimeError(f"{' '.join(command[:4])} failed: {result.stdout[-3000:]}{result.stderr[-3000:]}")
 
     def log_tail(self, name: str, chars: int = 4000) -> str:
         path = self.logs / f"{name}.log"
@@ -120,7 +125,7 @@ def running_deployment(cluster: PostgresCluster, root: Path, base_model: str) ->
     for directory in (logs, home, state):
         directory.mkdir(parents=True)
     shutil.copyfile(PROFILE_DIR / "dagster.yaml", home / "dagster.yaml")
-    tinker_port, code_port = free_loopback_port(), free_loopback_port()
+    tinker_port, code_port = free_port(), free_port()
     env = {
         **os.environ,
         "DAGSTER_HOME": str(home),
@@ -160,9 +165,7 @@ def running_deployment(cluster: PostgresCluster, root: Path, base_model: str) ->
         deployment = Deployment(root, env, home, cluster.url("mlflow"), logs)
         # As deploy/README.md says: the pool's limit is set before any run is queued. Left to `default_limit`, the
         # daemon creates it during its first dequeue and lets every run queued by then through unlimited.
-        set_limit = [str(BIN / "dagster"), "instance", "concurrency", "set", POOL, str(POOL_LIMIT)]
-        result = subprocess.run(set_limit, env=env, cwd=repo_root(), capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, f"{' '.join(set_limit)} failed: {result.stdout[-2000:]}{result.stderr[-2000:]}"
+        deployment.dagster("instance", "concurrency", "set", POOL, str(POOL_LIMIT))
         wait_until(lambda: _http_ok(f"{env['TINKER_BASE_URL']}/api/v1/healthz"), 120, lambda: deployment.log_tail("localtinker"))
         wait_until(lambda: _grpc_healthy(env, code_port), 240, lambda: deployment.log_tail("code_server"), every_s=3)
         daemon = _start("daemon", [str(BIN / "dagster-daemon"), "run", "-w", str(PROFILE_DIR / "workspace.yaml")], env, logs)

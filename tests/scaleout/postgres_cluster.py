@@ -13,13 +13,14 @@ import os
 import pwd
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.fixtures.network import free_port
 
 HOST = "127.0.0.1"
 SUPERUSER = "posttrain"
@@ -64,12 +65,6 @@ def postgres_bin_dir() -> Path:
     return Path(initdb).parent
 
 
-def free_loopback_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
-
-
 def _as_server_user(command: list[str]) -> list[str]:
     return ["runuser", "-u", SERVICE_USER, "--", *command] if os.geteuid() == 0 else command
 
@@ -86,7 +81,7 @@ def running_postgres() -> Iterator[PostgresCluster]:
     bin_dir = postgres_bin_dir()
     root = Path(tempfile.mkdtemp(prefix="posttrain-pg-"))
     password = secrets.token_hex(16)
-    port = free_loopback_port()
+    port = free_port()
     data_dir = root / "data"
     try:
         (root / "pwfile").write_text(password + "\n")

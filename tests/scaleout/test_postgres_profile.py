@@ -17,12 +17,11 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.fixtures.dagster_env import TINY_CHAIN_CONFIG, TINY_MODEL
-from tests.scaleout.deployment import Deployment, running_deployment, wait_until
+from tests.scaleout.deployment import POOL, POOL_LIMIT, Deployment, running_deployment, wait_until
 from tests.scaleout.postgres_cluster import PostgresCluster
 
 pytestmark = pytest.mark.postgres
 
-POOL = "tinker"
 TRAINING_ASSET = "sft_checkpoint"
 TEST_TAG = "posttrain/scaleout-test"
 TRAINING_JOBS = ("sft_chain", "sft_train", "sft_train")  # the chain first: it materializes the data the others read
@@ -139,7 +138,7 @@ def test_tinker_pool_serialises_training_runs_while_automation_evaluates_each_ch
     for earlier, later in zip(runs, runs[1:]):
         assert later.start_time >= earlier.end_time, f"{later.dagster_run.run_id} started while {earlier.dagster_run.run_id} ran"
     assert all(r.create_timestamp.timestamp() < runs[0].end_time for r in runs), "runs were not queued together"
-    assert instance.event_log_storage.get_concurrency_info(POOL).slot_count == 1
+    assert instance.event_log_storage.get_concurrency_info(POOL).slot_count == POOL_LIMIT
 
     # Evaluations: launched by the daemon's automation sensor, one per checkpoint, materialized in the Postgres event log.
     assert all(r.dagster_run.status == dg.DagsterRunStatus.SUCCESS for r in eval_records), _failure_report(
