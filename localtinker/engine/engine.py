@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -37,12 +38,20 @@ from localtinker.engine.api import (
 )
 from localtinker.engine.checkpoints import CheckpointStore, parse_tinker_path
 from localtinker.engine.datums import PreparedDatum, prepare_datums
-from localtinker.engine.logprobs import token_logprobs
+from localtinker.engine.logprobs import token_logprobs_tracking
 from localtinker.engine.lora import AdapterHost, validate_lora_spec
-from localtinker.engine.losses import LOSSES, resolve_loss_config
+from localtinker.engine.losses import LOSSES, gradient_tokens, resolve_loss_config
 from localtinker.engine.models import DTYPES, TINY_RANDOM_NAME, BaseModel, load_base_model
 from localtinker.engine.optimizer import AdamState, adamw_step, validate_adam
 from localtinker.engine.packaged import SMOLLM2_NAME
+from localtinker.engine.prefix_sharing import (
+    PrefixGroup,
+    TokenRows,
+    group_by_prefix,
+    plain_rows,
+    shared_microbatches,
+    shared_rows,
+)
 from localtinker.engine.sample_stream import SampleStream, SamplingTarget
 from localtinker.engine.sampler import validate_sample_spec
 
@@ -52,6 +61,9 @@ from localtinker.engine.sampler import validate_sample_spec
 # (per unit of the box's torch.mm speed, 3 interleaved repeats), with no change on equal-length 8x128
 # batches. Rows longer than this run alone. Activations cost ~1.2 MB/token on SmolLM2-135M.
 TRAIN_MICROBATCH_TOKENS = 512
+# Datums sharing a prompt (an RL group, a DPO pair) run it once (prefix_sharing.py). False: every datum
+# runs whole (benchmarks and tests compare the two).
+SHARE_PREFIXES = True
 # Snapshots of a training model's weights (save_weights_and_get_sampling_client) kept per model.
 SNAPSHOTS_PER_MODEL = 8
 # Sampler adapters kept resident per base model (others reload from disk on use).
@@ -205,20 +217,15 @@ class LocalEngine:
         loss_function = LOSSES[loss_fn]
         outputs: list[dict[str, np.ndarray]] = [{} for _ in datums]
         total = 0.0
-        for indices in _microbatches(datums, TRAIN_MICROBATCH_TOKENS):
-            batch = [datums[i] for i in indices]
-            lengths = [d.tokens.shape[0] for d in batch]
-            input_ids = torch.zeros((len(batch), max(lengths)), dtype=torch.long)
-            for row, datum in enumerate(batch):
-                input_ids[row, : lengths[row]] = datum.tokens
-            # Right padding needs no mask: causal attention never lets a real token see the pads after it.
-            hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
-            real = torch.arange(input_ids.shape[1])[None, :] < torch.tensor(lengths)[:, None]
-            targets = torch.cat([d.targets for d in batch])
-            logprobs = token_logprobs(hidden[real], lm_head, targets)
-            batch_loss = logprobs.new_zeros(())
-            for index, datum, lp in zip(indices, batch, logprobs.split(lengths)):
-                elementwise = loss_function(lp, datum.loss_inputs, config)
+        for rows in _token_rows(decoder, datums):
+            tracked = torch.zeros(rows.targets.shape[0], dtype=torch.bool)
+            for index, datum_rows in rows.datum_rows.items():
+                tracked[datum_rows[gradient_tokens(loss_fn, datums[index].loss_inputs, config)]] = True
+            row_logprobs = token_logprobs_tracking(rows.hidden, lm_head, rows.targets, tracked)
+            batch_loss = row_logprobs.new_zeros(())
+            for index, datum_rows in rows.datum_rows.items():
+                lp = row_logprobs[datum_rows]
+                elementwise = loss_function(lp, datums[index].loss_inputs, config)
                 batch_loss = batch_loss + elementwise.sum()
                 outputs[index] = {
                     "logprobs": lp.detach().float().numpy().copy(),
@@ -461,6 +468,19 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _token_rows(decoder: torch.nn.Module, datums: list[PreparedDatum]) -> Iterator[TokenRows]:
+    """The hidden states of every datum position, one micro-batch at a time: datums that share a prompt
+    (``prefix_sharing.group_by_prefix``) run it once per group, the others as padded rows."""
+    tokens, targets = [d.tokens for d in datums], [d.targets for d in datums]
+    groups = group_by_prefix(tokens) if SHARE_PREFIXES else [PrefixGroup((i,), 0) for i in range(len(datums))]
+    alone = [index for group in groups if not group.shared for index in group.members]
+    for positions in _microbatches([datums[i] for i in alone], TRAIN_MICROBATCH_TOKENS):
+        yield plain_rows(decoder, [alone[k] for k in positions], tokens, targets)
+    lengths = [t.shape[0] for t in tokens]
+    for batch in shared_microbatches([g for g in groups if g.shared], lengths, TRAIN_MICROBATCH_TOKENS):
+        yield shared_rows(decoder, batch, tokens, targets)
 
 
 def _microbatches(datums: list[PreparedDatum], budget: int) -> list[list[int]]:

@@ -27,6 +27,32 @@ def token_logprobs(
     return torch.cat(pieces)
 
 
+def token_logprobs_tracking(
+    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, tracked: torch.Tensor
+) -> torch.Tensor:
+    """:func:`token_logprobs` with autograd only through the rows where ``tracked`` (bool [rows]) is set.
+
+    The other rows' logprobs are computed without a graph: the caller guarantees their gradient is
+    exactly zero (``losses.gradient_tokens``), so the result and every gradient are the same function.
+    What is saved is their share of the unembedding's backward — a [rows × vocab] × [vocab × hidden]
+    product, the softmax gradient pass and its saved [rows × vocab] buffer — which on SmolLM2-135M is
+    ~20% of a token's backward: the prompt of an RL sample or a chat SFT row costs a forward only there.
+    At least one row stays tracked, so an all-zero batch still back-propagates (zero) gradients and
+    Adam sees a zero gradient rather than none.
+    """
+    if not torch.is_grad_enabled() or bool(tracked.all()):
+        return token_logprobs(hidden, lm_head, targets)
+    if not bool(tracked.any()):
+        tracked = tracked.clone()
+        tracked[0] = True
+    tracked_rows = tracked.nonzero().squeeze(1)
+    other_rows = (~tracked).nonzero().squeeze(1)
+    with torch.no_grad():
+        other = token_logprobs(hidden[other_rows], lm_head, targets[other_rows])
+    own = token_logprobs(hidden[tracked_rows], lm_head, targets[tracked_rows])
+    return torch.cat([own, other])[torch.argsort(torch.cat([tracked_rows, other_rows]))]
+
+
 class TargetLogprob(torch.autograd.Function):
     """``logits[i, t_i] − logsumexp(logits[i])`` with a one-pass backward, ``g·(onehot − softmax)``.
 

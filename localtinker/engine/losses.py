@@ -106,6 +106,18 @@ def gspo(lp: torch.Tensor, inputs: LossInputs, config: dict[str, float]) -> torc
     return -torch.minimum(ratio * advantages, clipped * advantages)
 
 
+def gradient_tokens(loss_fn: str, inputs: LossInputs, config: dict[str, float]) -> torch.Tensor:
+    """bool [T]: the tokens whose logprob can get a non-zero gradient from ``loss_fn``; every other token's
+    gradient is exactly zero (a zero weight or advantage multiplies it), so the trainer skips its share of
+    the unembedding's backward (see ``logprobs.token_logprobs_tracking``): a chat SFT prompt, an RL
+    observation, the prompt of a DPO pair. DRO's quadratic term reaches every token while ``beta`` > 0."""
+    if loss_fn == "cross_entropy":
+        return inputs["weights"] != 0
+    if loss_fn == "dro" and config["beta"] != 0:
+        return torch.ones_like(inputs["advantages"], dtype=torch.bool)
+    return inputs["advantages"] != 0
+
+
 LOSSES: dict[str, Callable[[torch.Tensor, LossInputs, dict[str, float]], torch.Tensor]] = {
     "cross_entropy": cross_entropy,
     "importance_sampling": importance_sampling,

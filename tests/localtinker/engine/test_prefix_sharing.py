@@ -1,0 +1,188 @@
+"""Shared-prompt training: the grouping, the micro-batches, and exact results against whole rows and an
+independent reference model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import localtinker.engine.engine as engine_module
+import localtinker.engine.logprobs as logprobs_module
+from localtinker.engine.api import AdamSpec, DatumArrays, LoraSpec
+from localtinker.engine.prefix_sharing import MIN_SHARED_TOKENS, PrefixGroup, group_by_prefix, shared_microbatches
+from tests.localtinker.engine.reference import TINY, ReferenceModel, sft_datum
+from tests.localtinker.engine.test_losses import assert_grad_close, reference_loss
+
+
+def rows(*arrays) -> list[torch.Tensor]:
+    return [torch.as_tensor(np.asarray(a, dtype=np.int64)) for a in arrays]
+
+
+def test_groups_are_the_prompts_and_loners_stay_alone():
+    rng = np.random.default_rng(0)
+    header = rng.integers(0, 1000, size=12)
+    prompts = [np.concatenate([header, rng.integers(1000, 2000, size=n)]) for n in (20, 31, 25)]
+    data, expected = [], []
+    for prompt in prompts:
+        members = []
+        for sample in range(4):
+            members.append(len(data))
+            data.append(np.concatenate([prompt, [3000 + 10 * len(data)], rng.integers(0, 1000, size=sample + 2)]))
+        expected.append(PrefixGroup(tuple(members), len(prompt)))
+    loners = [len(data), len(data) + 1]
+    data += [rng.integers(0, 1000, size=40), rng.integers(0, 1000, size=5)]
+    order = rng.permutation(len(data))
+    groups = group_by_prefix(rows(*[data[i] for i in order]))
+    renamed = {tuple(sorted(int(order[i]) for i in g.members)): g.shared for g in groups}
+    assert renamed == {**{g.members: g.shared for g in expected}, **{(i,): 0 for i in loners}}
+
+
+def test_every_member_keeps_a_token_of_its_own():
+    groups = group_by_prefix(rows(range(30), range(30), range(30)))
+    assert groups == [PrefixGroup((0, 1, 2), 29)]
+
+
+def test_a_short_common_prefix_is_not_shared():
+    short = MIN_SHARED_TOKENS - 1
+    groups = group_by_prefix(rows([*range(short), 500, 501], [*range(short), 600, 601]))
+    assert sorted(g.members for g in groups) == [(0,), (1,)] and all(g.shared == 0 for g in groups)
+
+
+def test_the_partition_saving_most_tokens_wins():
+    """A 20-token header shared by 8 datums (saves 7 × 20) loses to two 40-token prompts × 4 (2 × 3 × 40)."""
+    header = list(range(20))
+    data = [header + [100 + p] * 20 + [900 + 10 * p + s] for p in range(2) for s in range(4)]
+    groups = group_by_prefix(rows(*data))
+    assert sorted((g.members, g.shared) for g in groups) == [((0, 1, 2, 3), 40), ((4, 5, 6, 7), 40)]
+
+
+def test_micro_batches_respect_the_budget_and_split_big_groups():
+    lengths = [50] * 10 + [30] * 3 + [70] * 2
+    groups = [PrefixGroup(tuple(range(10)), 40), PrefixGroup((10, 11, 12), 20), PrefixGroup((13, 14), 60)]
+    batches = shared_microbatches(groups, lengths, budget=64)
+    seen = sorted(i for batch in batches for chunk in batch for i in chunk.members)
+    assert seen == list(range(15))
+    for batch in batches:
+        prefix = len(batch) * max(c.shared for c in batch)
+        own = sum(len(c.members) for c in batch) * max(lengths[i] - c.shared for c in batch for i in c.members)
+        assert prefix + own <= 64 or len(batch) == 1
+    big_chunks = [chunk for batch in batches for chunk in batch if chunk.shared == 40]
+    assert len(big_chunks) > 1 and all(len(chunk.members) == 2 for chunk in big_chunks)  # (64 - 40) // 10
+
+
+@pytest.fixture(scope="module")
+def trained(engine):
+    model_id = "sharing:train:0"
+    engine.create_model(model_id, TINY, LoraSpec(rank=4, seed=5))
+    engine.forward_backward(model_id, [sft_datum(np.random.default_rng(0), 30)], "cross_entropy", None, False)
+    engine.optim_step(model_id, AdamSpec(learning_rate=0.05))
+    return model_id
+
+
+def grouped_rl_data(reference: ReferenceModel, seed: int) -> list[DatumArrays]:
+    """3 prompts × 4 samples of different lengths (advantages on the samples only), plus two loners."""
+    rng = np.random.default_rng(seed)
+    data = []
+    for prompt_length in (18, 25, 30):
+        prompt = rng.integers(0, 49152, size=prompt_length)
+        for _ in range(4):
+            tokens = np.concatenate([prompt, rng.integers(0, 49152, size=int(rng.integers(2, 9)))])
+            data.append(_rl_datum(reference, rng, tokens, prompt_length))
+    for length in (22, 6):
+        data.append(_rl_datum(reference, rng, rng.integers(0, 49152, size=length), 1))
+    return [data[i] for i in rng.permutation(len(data))]
+
+
+def _rl_datum(reference: ReferenceModel, rng: np.random.Generator, tokens: np.ndarray, prompt_length: int) -> DatumArrays:
+    with torch.no_grad():
+        current = reference.logprobs(tokens[:-1], tokens[1:]).numpy()
+    advantages = np.zeros(len(tokens) - 1, np.float32)
+    advantages[prompt_length - 1 :] = rng.choice([-1.5, 0.5, 2.0])
+    sampler = current + rng.choice([-0.3, -0.05, 0.05, 0.3], size=len(current))
+    return DatumArrays(
+        tokens=tokens[:-1],
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "logprobs": np.where(advantages != 0, sampler, 0.0).astype(np.float32),
+            "advantages": advantages,
+            "sequence_ratio_mask": (advantages != 0).astype(np.float32),
+        },
+    )
+
+
+def embedded_tokens(engine, model_id: str, run) -> int:
+    """Token positions (padding included) the decoder embeds while ``run`` runs."""
+    host = engine._hosts[TINY]
+    counted = []
+    handle = host.base.model.get_input_embeddings().register_forward_hook(lambda m, args, out: counted.append(args[0].numel()))
+    try:
+        run()
+    finally:
+        handle.remove()
+    return sum(counted)
+
+
+@pytest.mark.parametrize("name,micro_batch", [("importance_sampling", 512), ("ppo", 512), ("gspo", 512), ("importance_sampling", 40)])
+def test_shared_prompts_give_the_reference_results_with_fewer_tokens(engine, trained, monkeypatch, name, micro_batch):
+    monkeypatch.setattr(engine_module, "TRAIN_MICROBATCH_TOKENS", micro_batch)  # 40: groups split into chunks
+    reference = ReferenceModel(engine.lora_spec(trained), engine.lora_weights(trained))
+    data = grouped_rl_data(reference, seed=3)
+    runs = {}
+    for share in (False, True):
+        monkeypatch.setattr(engine_module, "SHARE_PREFIXES", share)
+        result = []
+        tokens = embedded_tokens(engine, trained, lambda: result.append(engine.forward_backward(trained, data, name, None, False)))
+        runs[share] = (result[0], engine.lora_grads(trained), tokens)
+        engine.optim_step(trained, AdamSpec(learning_rate=0.0))
+    (whole, whole_grads, whole_tokens), (shared, shared_grads, shared_tokens) = runs[False], runs[True]
+    assert shared_tokens < 0.75 * whole_tokens
+
+    total = torch.zeros(())
+    for datum, output, whole_output in zip(data, shared.loss_fn_outputs, whole.loss_fn_outputs):
+        lp = reference.logprobs(datum.tokens, datum.loss_fn_inputs["target_tokens"])
+        np.testing.assert_allclose(output["logprobs"], lp.detach().numpy(), atol=1e-5)
+        np.testing.assert_allclose(output["logprobs"], whole_output["logprobs"], atol=1e-5)
+        np.testing.assert_allclose(output["elementwise_loss"], whole_output["elementwise_loss"], atol=1e-4)
+        total = total + reference_loss(name, lp, datum.loss_fn_inputs, {})
+    total.backward()
+    assert shared.metrics["loss:sum"] == pytest.approx(total.item(), rel=1e-5, abs=1e-4)
+    for key, grad in reference.grads().items():
+        assert_grad_close(shared_grads[key], grad, key)
+        assert_grad_close(shared_grads[key], whole_grads[key], key)
+
+
+def test_forward_only_shares_prompts_too(engine, trained, monkeypatch):
+    reference = ReferenceModel(engine.lora_spec(trained), engine.lora_weights(trained))
+    data = grouped_rl_data(reference, seed=4)
+    result = engine.forward_backward(trained, data, "importance_sampling", None, forward_only=True)
+    monkeypatch.setattr(engine_module, "SHARE_PREFIXES", False)
+    whole = engine.forward_backward(trained, data, "importance_sampling", None, forward_only=True)
+    for a, b in zip(result.loss_fn_outputs, whole.loss_fn_outputs):
+        np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=1e-5)
+
+
+def test_only_weighted_positions_back_propagate_through_the_unembedding(engine, trained, monkeypatch):
+    """Zero-weight positions get their logprobs without a graph; the tracked rows are the weighted ones."""
+    seen = []
+    apply = logprobs_module.TargetLogprob.apply
+    monkeypatch.setattr(logprobs_module.TargetLogprob, "apply", lambda logits, targets: (seen.append((logits.shape[0], logits.requires_grad)), apply(logits, targets))[1])
+    rng = np.random.default_rng(6)
+    data = [sft_datum(rng, n) for n in (9, 14)]
+    result = engine.forward_backward(trained, data, "cross_entropy", None, False)
+    weighted = sum(int((d.loss_fn_inputs["weights"] != 0).sum()) for d in data)
+    assert sum(rows for rows, tracked in seen if tracked) == weighted
+    assert sum(rows for rows, _ in seen) == 9 + 14
+    assert all(len(o["logprobs"]) == len(d.tokens) for o, d in zip(result.loss_fn_outputs, data))
+    engine.optim_step(trained, AdamSpec(learning_rate=0.0))
+
+
+def test_an_all_zero_batch_still_gives_zero_gradients(engine, new_id):
+    """Adam must see a zero gradient (its moments decay, the weights move with momentum), not none."""
+    model_id = new_id()
+    engine.create_model(model_id, TINY, LoraSpec(rank=2, seed=1))
+    datum = sft_datum(np.random.default_rng(2), 8)
+    datum.loss_fn_inputs["weights"] = np.zeros(8, np.float32)
+    engine.forward_backward(model_id, [datum], "cross_entropy", None, False)
+    grads = engine.lora_grads(model_id)
+    assert all(g is not None and not bool(g.any()) for g in grads.values())
