@@ -95,15 +95,29 @@ def plain_rows(decoder: torch.nn.Module, indices: list[int], tokens: list[torch.
     return TokenRows(hidden[real], torch.cat([targets[i] for i in indices]), datum_rows)
 
 
-def shared_microbatches(groups: list[PrefixGroup], lengths: list[int], budget: int) -> list[list[PrefixGroup]]:
+def shared_microbatches(
+    groups: list[PrefixGroup], lengths: list[int], budget: int
+) -> tuple[list[list[PrefixGroup]], list[int]]:
     """Sharing groups packed into micro-batches of at most ``budget`` padded tokens (prefix rows + own
-    rows), a group split into chunks (each running the prefix) where it alone would exceed it."""
+    rows), and the datums left to run as plain rows.
+
+    A group is cut into chunks in order of length, each running the prefix once: a chunk takes members
+    while ``shared + members × longest own part`` fits the budget. A prefix longer than the budget still
+    runs with two members if their own parts are no longer than it (memory: one datum plus one own part,
+    no more). A member left alone in its chunk would gain nothing from its prefix: it runs as a plain row.
+    """
     chunks: list[PrefixGroup] = []
+    alone: list[int] = []
     for group in groups:
-        own = max(lengths[i] for i in group.members) - group.shared
-        per_chunk = max(1, (budget - group.shared) // own)
-        members = sorted(group.members, key=lambda i: lengths[i])
-        chunks += [PrefixGroup(tuple(members[k : k + per_chunk]), group.shared) for k in range(0, len(members), per_chunk)]
+        chunk: list[int] = []
+        for index in sorted(group.members, key=lambda i: lengths[i]):
+            own = lengths[index] - group.shared  # the longest so far: members come in order of length
+            fits = group.shared + (len(chunk) + 1) * own <= budget or (len(chunk) < 2 and own <= group.shared)
+            if chunk and not fits:
+                chunks, alone = _close(chunk, group.shared, chunks, alone)
+                chunk = []
+            chunk.append(index)
+        chunks, alone = _close(chunk, group.shared, chunks, alone)
     chunks.sort(key=lambda chunk: max(lengths[i] for i in chunk.members) - chunk.shared)
     batches: list[list[PrefixGroup]] = []
     current: list[PrefixGroup] = []
@@ -117,7 +131,13 @@ def shared_microbatches(groups: list[PrefixGroup], lengths: list[int], budget: i
         current = candidate
     if current:
         batches.append(current)
-    return batches
+    return batches, sorted(alone)
+
+
+def _close(chunk: list[int], shared: int, chunks: list[PrefixGroup], alone: list[int]):
+    if len(chunk) >= 2:
+        return chunks + [PrefixGroup(tuple(chunk), shared)], alone
+    return chunks, alone + chunk
 
 
 def shared_rows(

@@ -10,7 +10,12 @@ import torch
 import localtinker.engine.engine as engine_module
 import localtinker.engine.logprobs as logprobs_module
 from localtinker.engine.api import AdamSpec, DatumArrays, LoraSpec
-from localtinker.engine.prefix_sharing import MIN_SHARED_TOKENS, PrefixGroup, group_by_prefix, shared_microbatches
+from localtinker.engine.prefix_sharing import (
+    MIN_SHARED_TOKENS,
+    PrefixGroup,
+    group_by_prefix,
+    shared_microbatches,
+)
 from tests.localtinker.engine.reference import TINY, ReferenceModel, sft_datum
 from tests.localtinker.engine.test_losses import assert_grad_close, reference_loss
 
@@ -58,17 +63,29 @@ def test_the_partition_saving_most_tokens_wins():
 
 
 def test_micro_batches_respect_the_budget_and_split_big_groups():
-    lengths = [50] * 10 + [30] * 3 + [70] * 2
-    groups = [PrefixGroup(tuple(range(10)), 40), PrefixGroup((10, 11, 12), 20), PrefixGroup((13, 14), 60)]
-    batches = shared_microbatches(groups, lengths, budget=64)
-    seen = sorted(i for batch in batches for chunk in batch for i in chunk.members)
-    assert seen == list(range(15))
+    lengths = [50] * 10 + [30] * 3 + [70] * 2 + [25, 30, 140]
+    groups = [
+        PrefixGroup(tuple(range(10)), 40),  # own parts of 10: two per chunk, (64 - 40) // 10
+        PrefixGroup((10, 11, 12), 20),  # one chunk of 3: 20 + 3 × 10
+        PrefixGroup((13, 14), 60),  # a prefix over budget, own parts shorter than it: one chunk of 2
+        PrefixGroup((15, 16, 17), 20),  # own 5 and 10 fit together; own 120 > budget and > prefix: plain row
+    ]
+    batches, alone = shared_microbatches(groups, lengths, budget=64)
+    chunks = sorted((chunk.members, chunk.shared) for batch in batches for chunk in batch)
+    assert chunks == sorted(
+        [((0, 1), 40), ((2, 3), 40), ((4, 5), 40), ((6, 7), 40), ((8, 9), 40), ((10, 11, 12), 20), ((13, 14), 60), ((15, 16), 20)]
+    )
+    assert alone == [17]
     for batch in batches:
         prefix = len(batch) * max(c.shared for c in batch)
         own = sum(len(c.members) for c in batch) * max(lengths[i] - c.shared for c in batch for i in c.members)
         assert prefix + own <= 64 or len(batch) == 1
-    big_chunks = [chunk for batch in batches for chunk in batch if chunk.shared == 40]
-    assert len(big_chunks) > 1 and all(len(chunk.members) == 2 for chunk in big_chunks)  # (64 - 40) // 10
+
+
+def test_a_long_prefix_is_not_shared_with_longer_own_parts():
+    """Over budget, sharing would add memory without saving work: the members run as plain rows."""
+    batches, alone = shared_microbatches([PrefixGroup((0, 1), 300)], [1000, 1000], budget=512)
+    assert batches == [] and alone == [0, 1]
 
 
 @pytest.fixture(scope="module")
