@@ -81,7 +81,9 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else limit
 
 
-def plain_rows(decoder: torch.nn.Module, indices: list[int], tokens: list[torch.Tensor], targets: list[torch.Tensor]) -> TokenRows:
+def plain_rows(
+    decoder: torch.nn.Module, indices: list[int], tokens: list[torch.Tensor], targets: list[torch.Tensor]
+) -> TokenRows:
     """The datums ``indices`` each as its own right-padded row (no mask needed: causal attention never
     lets a real token see the pads after it)."""
     lengths = [tokens[i].shape[0] for i in indices]
@@ -109,15 +111,11 @@ def shared_microbatches(
     chunks: list[PrefixGroup] = []
     alone: list[int] = []
     for group in groups:
-        chunk: list[int] = []
-        for index in sorted(group.members, key=lambda i: lengths[i]):
-            own = lengths[index] - group.shared  # the longest so far: members come in order of length
-            fits = group.shared + (len(chunk) + 1) * own <= budget or (len(chunk) < 2 and own <= group.shared)
-            if chunk and not fits:
-                chunks, alone = _close(chunk, group.shared, chunks, alone)
-                chunk = []
-            chunk.append(index)
-        chunks, alone = _close(chunk, group.shared, chunks, alone)
+        for members in _chunk_members(group, lengths, budget):
+            if len(members) >= 2:
+                chunks.append(PrefixGroup(tuple(members), group.shared))
+            else:
+                alone += members
     chunks.sort(key=lambda chunk: max(lengths[i] for i in chunk.members) - chunk.shared)
     batches: list[list[PrefixGroup]] = []
     current: list[PrefixGroup] = []
@@ -134,10 +132,16 @@ def shared_microbatches(
     return batches, sorted(alone)
 
 
-def _close(chunk: list[int], shared: int, chunks: list[PrefixGroup], alone: list[int]):
-    if len(chunk) >= 2:
-        return chunks + [PrefixGroup(tuple(chunk), shared)], alone
-    return chunks, alone + chunk
+def _chunk_members(group: PrefixGroup, lengths: list[int], budget: int) -> list[list[int]]:
+    chunks: list[list[int]] = [[]]
+    for index in sorted(group.members, key=lambda i: lengths[i]):
+        chunk = chunks[-1]
+        own = lengths[index] - group.shared  # the longest so far: members come in order of length
+        fits = group.shared + (len(chunk) + 1) * own <= budget or (len(chunk) < 2 and own <= group.shared)
+        if chunk and not fits:
+            chunks.append([])
+        chunks[-1].append(index)
+    return chunks
 
 
 def shared_rows(
@@ -176,36 +180,26 @@ def shared_rows(
         use_cache=True,
     ).last_hidden_state
 
-    # Rows: each group's prompt positions but its last (same target for every member), once; then per
-    # member its last prompt position (its own first token is the target) and its own positions.
-    hidden_size = prefix_hidden.shape[-1]
-    prefix_flat, own_flat = prefix_hidden.reshape(-1, hidden_size), own_hidden.reshape(-1, hidden_size)
-    prefix_index, row_targets, group_rows = [], [], []
+    # Rows: each group's prompt positions but its last (the same targets for every member), once; then per
+    # member its last prompt position (whose target is its first own token) and its own positions.
+    pieces: list[torch.Tensor] = []
+    row_targets: list[torch.Tensor] = []
+    group_rows: list[torch.Tensor] = []
     count = 0
     for row, group in enumerate(groups):
-        first = row * width + width - group.shared
-        prefix_index.append(torch.arange(first, first + group.shared - 1))
+        pieces.append(prefix_hidden[row, width - group.shared : width - 1])
         row_targets.append(targets[group.members[0]][: group.shared - 1])
         group_rows.append(torch.arange(count, count + group.shared - 1))
         count += group.shared - 1
-    own_index, datum_rows = [], {}
+    datum_rows: dict[int, torch.Tensor] = {}
     for member_row, (row, index) in enumerate(members):
-        shared, length = groups[row].shared, tokens[index].shape[0]
-        prefix_index.append(torch.tensor([row * width + width - 1]))
-        row_targets.append(targets[index][shared - 1 : shared])
-        own_index.append(torch.arange(member_row * own_width, member_row * own_width + length - shared))
-        row_targets.append(targets[index][shared:])
-        datum_rows[index] = torch.cat([group_rows[row], torch.arange(count, count + 1 + length - shared)])
-        count += 1 + length - shared
-    # row_targets was appended in the same order as the rows below: group prompts, then per member
-    # (last prompt position, own positions) — interleaved, so gather the hidden rows in that order too.
-    ordered = []
-    for row, group in enumerate(groups):
-        ordered.append(prefix_flat[prefix_index[row]])
-    for member_row in range(len(members)):
-        ordered.append(prefix_flat[prefix_index[len(groups) + member_row]])
-        ordered.append(own_flat[own_index[member_row]])
-    return TokenRows(torch.cat(ordered), torch.cat(row_targets), datum_rows)
+        shared = groups[row].shared
+        own_length = tokens[index].shape[0] - shared
+        pieces += [prefix_hidden[row, width - 1 :], own_hidden[member_row, :own_length]]
+        row_targets.append(targets[index][shared - 1 :])
+        datum_rows[index] = torch.cat([group_rows[row], torch.arange(count, count + 1 + own_length)])
+        count += 1 + own_length
+    return TokenRows(torch.cat(pieces), torch.cat(row_targets), datum_rows)
 
 
 class _PrefixLayer(DynamicLayer):
