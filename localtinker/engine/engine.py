@@ -474,9 +474,8 @@ def _token_rows(decoder: torch.nn.Module, datums: list[PreparedDatum]) -> Iterat
     """The hidden states of every datum position, one micro-batch at a time: datums that share a prompt
     (``prefix_sharing.group_by_prefix``) run it once per group, the others as padded rows."""
     tokens, targets = [d.tokens for d in datums], [d.targets for d in datums]
-    lengths = [t.shape[0] for t in tokens]
     groups = group_by_prefix(tokens) if SHARE_PREFIXES else [PrefixGroup((i,), 0) for i in range(len(datums))]
-    batches, left = shared_microbatches([g for g in groups if g.shared], lengths, TRAIN_MICROBATCH_TOKENS)
+    batches, left = shared_microbatches([g for g in groups if g.shared], tokens, TRAIN_MICROBATCH_TOKENS)
     alone = sorted(left + [index for group in groups if not group.shared for index in group.members])
     for positions in _microbatches([datums[i] for i in alone], TRAIN_MICROBATCH_TOKENS):
         yield plain_rows(decoder, [alone[k] for k in positions], tokens, targets)

@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 MIN_SHARED_TOKENS = 16  # below this a second forward and a masked attention cost more than they save
 MAX_GROUP = 64  # members considered per run (keeps the partition search linear in the batch)
+MIN_REFINE_TOKENS = 2  # inside a run, sub-groups sharing this many more tokens split off (same forward, no new call)
 
 
 @dataclass(frozen=True)
@@ -45,32 +46,58 @@ class TokenRows:
 
 
 def group_by_prefix(tokens: list[torch.Tensor]) -> list[PrefixGroup]:
-    """Partitions datums into groups that share a prefix (singletons share nothing), saving the most tokens."""
+    """Partitions datums into groups that share a prefix (singletons share nothing), saving the most tokens.
+
+    Two levels: datums sharing a system prompt in front of different problems are first one run (saving
+    the system prompt), then split into the problems' groups where those share more (each problem's G
+    samples); :func:`shared_rows` runs the system prompt once per micro-batch as their common root."""
     arrays = [t.numpy() for t in tokens]
     order = sorted(range(len(arrays)), key=lambda i: tuple(arrays[i].tolist()))
     # common[k]: tokens shared by order[k] and order[k + 1], leaving each at least one of its own
     common = [_common_prefix(arrays[a], arrays[b]) for a, b in zip(order, order[1:])]
-    best = [0] * (len(order) + 1)  # tokens saved by the best partition of order[:j]
-    choice = [0] * (len(order) + 1)  # where its last run starts
-    for end in range(1, len(order) + 1):
-        best[end], choice[end] = best[end - 1], end - 1  # order[end - 1] alone
+    groups = []
+    for start, end, shared in _best_runs(common, 0, MIN_SHARED_TOKENS):
+        if end - start == 1:
+            groups.append(PrefixGroup((order[start],), 0))
+            continue
+        rest: list[int] = []
+        for sub_start, sub_end, sub_shared in _best_runs(common[start : end - 1], shared, MIN_REFINE_TOKENS):
+            members = order[start + sub_start : start + sub_end]
+            if len(members) > 1:
+                groups.append(PrefixGroup(tuple(sorted(members)), sub_shared))
+            else:
+                rest += members
+        if len(rest) > 1:  # the members that share only the run's prefix
+            groups.append(PrefixGroup(tuple(sorted(rest)), shared))
+        elif rest:
+            groups.append(PrefixGroup(tuple(rest), 0))
+    return groups
+
+
+def _best_runs(common: list[int], floor: int, minimum: int) -> list[tuple[int, int, int]]:
+    """The partition of ``len(common) + 1`` datums (in sorted order, ``common`` between neighbours) into
+    runs ``(start, end, shared)`` that maximises Σ (members − 1) × (shared − floor), where a run's
+    ``shared`` is the least ``common`` inside it and counts only when ``shared − floor ≥ minimum``."""
+    count = len(common) + 1
+    best = [0] * (count + 1)  # saving of the best partition of the first j datums
+    choice = [0] * (count + 1)  # where its last run starts
+    for end in range(1, count + 1):
+        best[end], choice[end] = best[end - 1], end - 1  # datum end - 1 alone
         shared = None
         for start in range(end - 2, max(-1, end - 1 - MAX_GROUP), -1):
             shared = common[start] if shared is None else min(shared, common[start])
-            if shared < MIN_SHARED_TOKENS:
+            if shared - floor < minimum:
                 break
-            saved = best[start] + (end - 1 - start) * shared
+            saved = best[start] + (end - 1 - start) * (shared - floor)
             if saved > best[end]:
                 best[end], choice[end] = saved, start
-    groups = []
-    end = len(order)
+    runs = []
+    end = count
     while end > 0:
         start = choice[end]
-        members = tuple(sorted(order[start:end]))
-        shared = min(common[start : end - 1]) if end - start > 1 else 0
-        groups.append(PrefixGroup(members, shared))
+        runs.append((start, end, min(common[start : end - 1]) if end - start > 1 else floor))
         end = start
-    return groups[::-1]
+    return runs[::-1]
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -98,16 +125,17 @@ def plain_rows(
 
 
 def shared_microbatches(
-    groups: list[PrefixGroup], lengths: list[int], budget: int
+    groups: list[PrefixGroup], tokens: list[torch.Tensor], budget: int
 ) -> tuple[list[list[PrefixGroup]], list[int]]:
     """Sharing groups packed into micro-batches of at most ``budget`` padded tokens (prefix rows + own
-    rows), and the datums left to run as plain rows.
+    rows, a root common to the micro-batch's prefixes counted once), and the datums left to run as plain rows.
 
     A group is cut into chunks in order of length, each running the prefix once: a chunk takes members
     while ``shared + members × longest own part`` fits the budget. A prefix longer than the budget still
     runs with two members if their own parts are no longer than it (memory: one datum plus one own part,
     no more). A member left alone in its chunk would gain nothing from its prefix: it runs as a plain row.
     """
+    lengths = [t.shape[0] for t in tokens]
     chunks: list[PrefixGroup] = []
     alone: list[int] = []
     for group in groups:
@@ -121,15 +149,21 @@ def shared_microbatches(
     current: list[PrefixGroup] = []
     for chunk in chunks:
         candidate = current + [chunk]
-        prefix = len(candidate) * max(c.shared for c in candidate)
-        own = sum(len(c.members) for c in candidate) * max(lengths[i] - c.shared for c in candidate for i in c.members)
-        if current and prefix + own > budget:
+        if current and _padded_tokens(candidate, tokens) > budget:
             batches.append(current)
             candidate = [chunk]
         current = candidate
     if current:
         batches.append(current)
     return batches, sorted(alone)
+
+
+def _padded_tokens(chunks: list[PrefixGroup], tokens: list[torch.Tensor]) -> int:
+    """Token positions :func:`shared_rows` runs for ``chunks``: the root once, prefixes and own parts padded."""
+    root = common_root(chunks, tokens)
+    prefixes = root + len(chunks) * (max(c.shared for c in chunks) - root)
+    own = max(tokens[i].shape[0] - c.shared for c in chunks for i in c.members)
+    return prefixes + sum(len(c.members) for c in chunks) * own
 
 
 def _chunk_members(group: PrefixGroup, lengths: list[int], budget: int) -> list[list[int]]:
@@ -149,17 +183,32 @@ def shared_rows(
 ) -> TokenRows:
     """Runs each group's prefix once (left-padded to the longest, masked), then every member's own tokens
     (right-padded) attending to its group's prefix keys and values; ``tokens``/``targets`` are indexed by
-    the members' datum indices."""
-    width = max(group.shared for group in groups)
+    the members' datum indices. A root that every group's prefix starts with (a system prompt or few-shot
+    examples in front of different problems, :func:`common_root`) runs once for the whole micro-batch, and
+    the group prefixes attend to it in turn."""
+    root = common_root(groups, tokens)
+    root_ids = tokens[groups[0].members[0]][:root]
+    width = max(group.shared for group in groups) - root  # group prefixes after the root
     prefix_ids = torch.zeros((len(groups), width), dtype=torch.long)
-    prefix_mask = torch.zeros((len(groups), width), dtype=torch.long)
+    prefix_mask = torch.zeros((len(groups), root + width), dtype=torch.long)
+    prefix_mask[:, :root] = 1
     for row, group in enumerate(groups):
-        prefix_ids[row, width - group.shared :] = tokens[group.members[0]][: group.shared]
-        prefix_mask[row, width - group.shared :] = 1
-    prefix_positions = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
+        prefix_ids[row, width - (group.shared - root) :] = tokens[group.members[0]][root : group.shared]
+        prefix_mask[row, root + width - (group.shared - root) :] = 1
     cache = DynamicCache(config=decoder.config)
+    root_hidden = None
+    if root:
+        root_hidden = decoder(
+            input_ids=root_ids[None], position_ids=torch.arange(root)[None], past_key_values=cache, use_cache=True
+        ).last_hidden_state[0]
+        cache = _PrefixCache(
+            [(layer.keys.expand(len(groups), -1, -1, -1), layer.values.expand(len(groups), -1, -1, -1)) for layer in cache.layers]
+        )
     prefix_hidden = decoder(
-        input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=prefix_positions, past_key_values=cache,
+        input_ids=prefix_ids,
+        attention_mask=prefix_mask,
+        position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0)[:, root:],
+        past_key_values=cache,
         use_cache=True,
     ).last_hidden_state
 
@@ -180,17 +229,25 @@ def shared_rows(
         use_cache=True,
     ).last_hidden_state
 
-    # Rows: each group's prompt positions but its last (the same targets for every member), once; then per
-    # member its last prompt position (whose target is its first own token) and its own positions.
+    # Rows: the root's positions but its last, once (the same targets everywhere); per group, the root's last
+    # position (whose target is the group's next token) and its prefix positions but the last, once; per
+    # member, its group's last prefix position (whose target is its first own token) and its own positions.
     pieces: list[torch.Tensor] = []
     row_targets: list[torch.Tensor] = []
+    if root:
+        pieces.append(root_hidden[: root - 1])
+        row_targets.append(targets[groups[0].members[0]][: root - 1])
+    root_rows = torch.arange(max(root - 1, 0))
+    count = root_rows.shape[0]
     group_rows: list[torch.Tensor] = []
-    count = 0
     for row, group in enumerate(groups):
-        pieces.append(prefix_hidden[row, width - group.shared : width - 1])
-        row_targets.append(targets[group.members[0]][: group.shared - 1])
-        group_rows.append(torch.arange(count, count + group.shared - 1))
-        count += group.shared - 1
+        if root:
+            pieces.append(root_hidden[root - 1 :])
+        pieces.append(prefix_hidden[row, width - (group.shared - root) : width - 1])
+        row_targets.append(targets[group.members[0]][max(root - 1, 0) : group.shared - 1])
+        length = group.shared - 1 - max(root - 1, 0)
+        group_rows.append(torch.cat([root_rows, torch.arange(count, count + length)]))
+        count += length
     datum_rows: dict[int, torch.Tensor] = {}
     for member_row, (row, index) in enumerate(members):
         shared = groups[row].shared
@@ -200,6 +257,20 @@ def shared_rows(
         datum_rows[index] = torch.cat([group_rows[row], torch.arange(count, count + 1 + own_length)])
         count += 1 + own_length
     return TokenRows(torch.cat(pieces), torch.cat(row_targets), datum_rows)
+
+
+def common_root(groups: list[PrefixGroup], tokens: list[torch.Tensor]) -> int:
+    """Tokens every group's prefix starts with, leaving each group at least one prefix token of its own;
+    0 for a single group or fewer than :data:`MIN_SHARED_TOKENS`."""
+    if len(groups) < 2:
+        return 0
+    first = tokens[groups[0].members[0]].numpy()
+    root = min(group.shared for group in groups) - 1
+    for group in groups[1:]:
+        other = tokens[group.members[0]].numpy()
+        differ = np.flatnonzero(first[:root] != other[:root])
+        root = int(differ[0]) if len(differ) else root
+    return root if root >= MIN_SHARED_TOKENS else 0
 
 
 class _PrefixLayer(DynamicLayer):

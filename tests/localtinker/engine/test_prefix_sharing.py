@@ -9,10 +9,12 @@ import torch
 
 import localtinker.engine.engine as engine_module
 import localtinker.engine.logprobs as logprobs_module
+import localtinker.engine.prefix_sharing as prefix_sharing
 from localtinker.engine.api import AdamSpec, DatumArrays, LoraSpec
 from localtinker.engine.prefix_sharing import (
     MIN_SHARED_TOKENS,
     PrefixGroup,
+    common_root,
     group_by_prefix,
     shared_microbatches,
 )
@@ -62,6 +64,22 @@ def test_the_partition_saving_most_tokens_wins():
     assert sorted((g.members, g.shared) for g in groups) == [((0, 1, 2, 3), 40), ((4, 5, 6, 7), 40)]
 
 
+def test_problems_under_one_system_prompt_keep_their_groups():
+    """One run saves the 20-token system prompt for all 12 datums (11 × 20 > 3 × 3 × 22); inside it each
+    problem's 4 samples share 2 more tokens, so they stay groups, with the system prompt as their root."""
+    system = list(range(20))
+    data = [system + [500 + p, 600 + p] + [900 + 10 * p + s, 7] for p in range(3) for s in range(4)]
+    tokens = rows(*data)
+    groups = group_by_prefix(tokens)
+    assert sorted((g.members, g.shared) for g in groups) == [((0, 1, 2, 3), 22), ((4, 5, 6, 7), 22), ((8, 9, 10, 11), 22)]
+    assert common_root(groups, tokens) == 20
+
+
+def of_lengths(lengths: list[int]) -> list[torch.Tensor]:
+    """Datums of these lengths with no tokens in common (no root to share)."""
+    return [torch.arange(length) + 100_000 * index for index, length in enumerate(lengths)]
+
+
 def test_micro_batches_respect_the_budget_and_split_big_groups():
     lengths = [50] * 10 + [30] * 3 + [70] * 2 + [25, 30, 140]
     groups = [
@@ -70,7 +88,7 @@ def test_micro_batches_respect_the_budget_and_split_big_groups():
         PrefixGroup((13, 14), 60),  # a prefix over budget, own parts shorter than it: one chunk of 2
         PrefixGroup((15, 16, 17), 20),  # own 5 and 10 fit together; own 120 > budget and > prefix: plain row
     ]
-    batches, alone = shared_microbatches(groups, lengths, budget=64)
+    batches, alone = shared_microbatches(groups, of_lengths(lengths), budget=64)
     chunks = sorted((chunk.members, chunk.shared) for batch in batches for chunk in batch)
     assert chunks == sorted(
         [((0, 1), 40), ((2, 3), 40), ((4, 5), 40), ((6, 7), 40), ((8, 9), 40)]
@@ -85,7 +103,7 @@ def test_micro_batches_respect_the_budget_and_split_big_groups():
 
 def test_a_long_prefix_is_not_shared_with_longer_own_parts():
     """Over budget, sharing would add memory without saving work: the members run as plain rows."""
-    batches, alone = shared_microbatches([PrefixGroup((0, 1), 300)], [1000, 1000], budget=512)
+    batches, alone = shared_microbatches([PrefixGroup((0, 1), 300)], of_lengths([1000, 1000]), budget=512)
     assert batches == [] and alone == [0, 1]
 
 
@@ -98,12 +116,15 @@ def trained(engine):
     return model_id
 
 
-def grouped_rl_data(reference: ReferenceModel, seed: int) -> list[DatumArrays]:
-    """3 prompts × 4 samples of different lengths (advantages on the samples only), plus two loners."""
+def grouped_rl_data(reference: ReferenceModel, seed: int, system: int = 0) -> list[DatumArrays]:
+    """3 prompts × 4 samples of different lengths (advantages on the samples only), plus two loners;
+    ``system`` > 0 puts a common system prompt of that many tokens in front of the three prompts."""
     rng = np.random.default_rng(seed)
+    system_tokens = rng.integers(0, 49152, size=system)
     data = []
     for prompt_length in (18, 25, 30):
-        prompt = rng.integers(0, 49152, size=prompt_length)
+        prompt = np.concatenate([system_tokens, rng.integers(0, 49152, size=prompt_length)])
+        prompt_length += system
         for _ in range(4):
             tokens = np.concatenate([prompt, rng.integers(0, 49152, size=int(rng.integers(2, 9)))])
             data.append(_rl_datum(reference, rng, tokens, prompt_length))
@@ -145,12 +166,22 @@ def embedded_tokens(engine, run) -> int:
 
 
 @pytest.mark.parametrize(
-    "name,micro_batch", [("importance_sampling", 512), ("ppo", 512), ("gspo", 512), ("importance_sampling", 40)]
+    "name,micro_batch,system",
+    [
+        ("importance_sampling", 512, 0),
+        ("ppo", 512, 0),
+        ("gspo", 512, 0),
+        ("importance_sampling", 40, 0),  # groups split into chunks
+        ("importance_sampling", 512, 20),  # a system prompt in front of every group: the root runs once
+        ("ppo", 90, 20),
+    ],
 )
-def test_shared_prompts_give_the_reference_results_with_fewer_tokens(engine, trained, monkeypatch, name, micro_batch):
-    monkeypatch.setattr(engine_module, "TRAIN_MICROBATCH_TOKENS", micro_batch)  # 40: groups split into chunks
+def test_shared_prompts_give_the_reference_results_with_fewer_tokens(
+    engine, trained, monkeypatch, name, micro_batch, system
+):
+    monkeypatch.setattr(engine_module, "TRAIN_MICROBATCH_TOKENS", micro_batch)
     reference = ReferenceModel(engine.lora_spec(trained), engine.lora_weights(trained))
-    data = grouped_rl_data(reference, seed=3)
+    data = grouped_rl_data(reference, seed=3, system=system)
     runs = {}
     for share in (False, True):
         monkeypatch.setattr(engine_module, "SHARE_PREFIXES", share)
@@ -175,6 +206,25 @@ def test_shared_prompts_give_the_reference_results_with_fewer_tokens(engine, tra
     for key, grad in reference.grads().items():
         assert_grad_close(shared_grads[key], grad, key)
         assert_grad_close(shared_grads[key], whole_grads[key], key)
+
+
+def test_a_common_system_prompt_runs_once_per_micro_batch(engine, trained, monkeypatch):
+    reference = ReferenceModel(engine.lora_spec(trained), engine.lora_weights(trained))
+    data = grouped_rl_data(reference, seed=5, system=24)
+    groups = [g for g in group_by_prefix([torch.as_tensor(d.tokens) for d in data]) if g.shared]
+    assert len(groups) == 3 and common_root(groups, [torch.as_tensor(d.tokens) for d in data]) == 24
+
+    def run():
+        result = engine.forward_backward(trained, data, "importance_sampling", None, forward_only=True)
+        return [o["logprobs"] for o in result.loss_fn_outputs]
+
+    with_root, logprobs = [], []
+    with_root.append(embedded_tokens(engine, lambda: logprobs.append(run())))
+    monkeypatch.setattr(prefix_sharing, "common_root", lambda groups, tokens: 0)
+    without_root = embedded_tokens(engine, lambda: logprobs.append(run()))
+    assert with_root[0] == without_root - 2 * 24  # three groups ran the system prompt once instead of three times
+    for a, b in zip(*logprobs):
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_forward_only_shares_prompts_too(engine, trained, monkeypatch):
