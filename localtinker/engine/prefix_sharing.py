@@ -24,7 +24,6 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 MIN_SHARED_TOKENS = 16  # below this a second forward and a masked attention cost more than they save
 MAX_GROUP = 64  # members considered per run (keeps the partition search linear in the batch)
-MIN_REFINE_TOKENS = 2  # inside a run, sub-groups sharing this many more tokens split off (same forward, no new call)
 
 
 @dataclass(frozen=True)
@@ -49,28 +48,22 @@ def group_by_prefix(tokens: list[torch.Tensor]) -> list[PrefixGroup]:
     """Partitions datums into groups that share a prefix (singletons share nothing), saving the most tokens.
 
     Two levels: datums sharing a system prompt in front of different problems are first one run (saving
-    the system prompt), then split into the problems' groups where those share more (each problem's G
-    samples); :func:`shared_rows` runs the system prompt once per micro-batch as their common root."""
+    the system prompt), then split into the problems' groups where each of its members is in one that
+    shares ≥ :data:`MIN_SHARED_TOKENS` more (each problem's G samples); :func:`shared_rows` runs the
+    system prompt once per micro-batch as their common root. A run where some member would be left on its
+    own stays whole (that member would lose the system prompt's sharing)."""
     arrays = [t.numpy() for t in tokens]
     order = sorted(range(len(arrays)), key=lambda i: tuple(arrays[i].tolist()))
     # common[k]: tokens shared by order[k] and order[k + 1], leaving each at least one of its own
     common = [_common_prefix(arrays[a], arrays[b]) for a, b in zip(order, order[1:])]
     groups = []
     for start, end, shared in _best_runs(common, 0, MIN_SHARED_TOKENS):
-        if end - start == 1:
-            groups.append(PrefixGroup((order[start],), 0))
-            continue
-        rest: list[int] = []
-        for sub_start, sub_end, sub_shared in _best_runs(common[start : end - 1], shared, MIN_REFINE_TOKENS):
-            members = order[start + sub_start : start + sub_end]
-            if len(members) > 1:
-                groups.append(PrefixGroup(tuple(sorted(members)), sub_shared))
-            else:
-                rest += members
-        if len(rest) > 1:  # the members that share only the run's prefix
-            groups.append(PrefixGroup(tuple(sorted(rest)), shared))
-        elif rest:
-            groups.append(PrefixGroup(tuple(rest), 0))
+        sub_runs = _best_runs(common[start : end - 1], shared, MIN_SHARED_TOKENS) if end - start > 1 else []
+        if len(sub_runs) > 1 and all(b - a > 1 for a, b, _ in sub_runs):
+            # Every member in a sub-group that shares more: those are the groups, the run's prefix their root.
+            groups += [PrefixGroup(tuple(sorted(order[start + a : start + b])), c) for a, b, c in sub_runs]
+        else:
+            groups.append(PrefixGroup(tuple(sorted(order[start:end])), shared if end - start > 1 else 0))
     return groups
 
 

@@ -65,14 +65,22 @@ def test_the_partition_saving_most_tokens_wins():
 
 
 def test_problems_under_one_system_prompt_keep_their_groups():
-    """One run saves the 20-token system prompt for all 12 datums (11 × 20 > 3 × 3 × 22); inside it each
-    problem's 4 samples share 2 more tokens, so they stay groups, with the system prompt as their root."""
-    system = list(range(20))
-    data = [system + [500 + p, 600 + p] + [900 + 10 * p + s, 7] for p in range(3) for s in range(4)]
+    """One run saves the 80-token system prompt for all 12 datums (11 × 80 > 3 × 3 × 96); inside it each
+    problem's 4 samples share 16 more tokens, so they stay groups, with the system prompt as their root."""
+    system = list(range(80))
+    data = [system + [500 + p] * 16 + [900 + 10 * p + s, 7] for p in range(3) for s in range(4)]
     tokens = rows(*data)
     groups = group_by_prefix(tokens)
-    assert sorted((g.members, g.shared) for g in groups) == [((0, 1, 2, 3), 22), ((4, 5, 6, 7), 22), ((8, 9, 10, 11), 22)]
-    assert common_root(groups, tokens) == 20
+    assert sorted((g.members, g.shared) for g in groups) == [((0, 1, 2, 3), 96), ((4, 5, 6, 7), 96), ((8, 9, 10, 11), 96)]
+    assert common_root(groups, tokens) == 80
+
+
+def test_a_run_stays_whole_rather_than_leave_a_member_alone():
+    """Three samples share 16 more tokens than the fourth (3 × 60 saved as one run > 2 × 76 without the
+    fourth): splitting the run would cost the fourth its prompt, so it stays whole."""
+    prompt = list(range(60))
+    data = [prompt + [500] * 16 + [900 + s, 7] for s in range(3)] + [prompt + [600, 7]]
+    assert group_by_prefix(rows(*data)) == [PrefixGroup((0, 1, 2, 3), 60)]
 
 
 def of_lengths(lengths: list[int]) -> list[torch.Tensor]:
