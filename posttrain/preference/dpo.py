@@ -7,7 +7,9 @@ model's sums ``ref``, the implicit reward of a side is ``β·(lp − ref)``, and
     loss = mean over pairs of −logsigmoid(β·((lp_c − ref_c) − (lp_r − ref_r)))
 
 so a freshly initialised policy (lp = ref) has loss ln 2 whatever the data. Metrics (means over pairs):
-``dpo_loss``, ``accuracy`` (fraction of pairs whose chosen reward is strictly above the rejected one),
+``dpo_loss``, ``accuracy`` (fraction of pairs whose chosen side's log-ratio beats the rejected one's by more
+than :data:`TIE_NATS`, float noise: the same weights scored by two code paths, a sampler's and a trainer's,
+differ by ~1e-5 per token, so a policy equal to its reference would otherwise rank pairs at random),
 ``margin`` (chosen − rejected reward), ``chosen_reward``, ``rejected_reward``.
 
 :func:`dpo_loss_fn` packages this as the ``loss_fn`` of ``TrainingClient.forward_backward_custom``: the
@@ -23,6 +25,9 @@ from typing import Callable
 import tinker
 import torch
 import torch.nn.functional as F
+
+# A log-ratio gap (chosen − rejected, before β) at most this large is a tie, not a correct ranking.
+TIE_NATS = 1e-3
 
 DpoLossFn = Callable[[list[tinker.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -52,7 +57,7 @@ def dpo_loss(
     loss = -F.logsigmoid(margin_P).mean()
     metrics = {
         "dpo_loss": float(loss.detach()),
-        "accuracy": float((margin_P.detach() > 0).to(torch.float64).mean()),
+        "accuracy": float((margin_P.detach() > beta * TIE_NATS).to(torch.float64).mean()),
         "margin": float(margin_P.detach().mean()),
         "chosen_reward": float(chosen_reward_P.detach().mean()),
         "rejected_reward": float(rejected_reward_P.detach().mean()),

@@ -21,6 +21,14 @@ def test_loss_is_ln2_when_policy_equals_reference():
     assert metrics["margin"] == 0.0 and metrics["chosen_reward"] == 0.0 and metrics["rejected_reward"] == 0.0
 
 
+def test_a_gap_within_float_noise_is_a_tie():
+    """Policy = reference scored by two code paths differs by ~1e-5 per token: not a correct ranking."""
+    _, metrics = dpo_loss(_t(-5.0 + 2e-4, -7.0), _t(-6.0, -2.0), _t(-5.0, -7.0), _t(-6.0, -2.0 + 3e-4), beta=0.1)
+    assert metrics["accuracy"] == 0.0
+    _, metrics = dpo_loss(_t(-5.0 + 2e-3), _t(-6.0), _t(-5.0), _t(-6.0), beta=0.1)
+    assert metrics["accuracy"] == 1.0
+
+
 def test_log_ratio_gap_two_gives_the_cookbook_value_and_gradient():
     chosen = _t(-3.0).requires_grad_(True)
     loss, metrics = dpo_loss(chosen, _t(-4.0), _t(-4.0), _t(-3.0), beta=0.1)  # (1) - (-1) = gap 2
