@@ -17,7 +17,6 @@ import shutil
 import tempfile
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -44,14 +43,7 @@ from localtinker.engine.losses import LOSSES, gradient_tokens, resolve_loss_conf
 from localtinker.engine.models import DTYPES, TINY_RANDOM_NAME, BaseModel, load_base_model
 from localtinker.engine.optimizer import AdamState, adamw_step, validate_adam
 from localtinker.engine.packaged import SMOLLM2_NAME
-from localtinker.engine.prefix_sharing import (
-    PrefixGroup,
-    TokenRows,
-    group_by_prefix,
-    plain_rows,
-    shared_microbatches,
-    shared_rows,
-)
+from localtinker.engine.prefix_sharing import token_rows
 from localtinker.engine.sample_stream import SampleStream, SamplingTarget
 from localtinker.engine.sampler import validate_sample_spec
 
@@ -217,7 +209,8 @@ class LocalEngine:
         loss_function = LOSSES[loss_fn]
         outputs: list[dict[str, np.ndarray]] = [{} for _ in datums]
         total = 0.0
-        for rows in _token_rows(decoder, datums):
+        tokens, targets = [d.tokens for d in datums], [d.targets for d in datums]
+        for rows in token_rows(decoder, tokens, targets, TRAIN_MICROBATCH_TOKENS, share=SHARE_PREFIXES):
             tracked = torch.zeros(rows.targets.shape[0], dtype=torch.bool)
             for index, datum_rows in rows.datum_rows.items():
                 tracked[datum_rows[gradient_tokens(loss_fn, datums[index].loss_inputs, config)]] = True
@@ -468,35 +461,3 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _token_rows(decoder: torch.nn.Module, datums: list[PreparedDatum]) -> Iterator[TokenRows]:
-    """The hidden states of every datum position, one micro-batch at a time: datums that share a prompt
-    (``prefix_sharing.group_by_prefix``) run it once per group, the others as padded rows."""
-    tokens, targets = [d.tokens for d in datums], [d.targets for d in datums]
-    groups = group_by_prefix(tokens) if SHARE_PREFIXES else [PrefixGroup((i,), 0) for i in range(len(datums))]
-    batches, left = shared_microbatches([g for g in groups if g.shared], tokens, TRAIN_MICROBATCH_TOKENS)
-    alone = sorted(left + [index for group in groups if not group.shared for index in group.members])
-    for positions in _microbatches([datums[i] for i in alone], TRAIN_MICROBATCH_TOKENS):
-        yield plain_rows(decoder, [alone[k] for k in positions], tokens, targets)
-    for batch in batches:
-        yield shared_rows(decoder, batch, tokens, targets)
-
-
-def _microbatches(datums: list[PreparedDatum], budget: int) -> list[list[int]]:
-    """Indices of ``datums`` per micro-batch of at most ``budget`` padded tokens. Datums go in order of
-    length, so a micro-batch pads little: chat data mixes 20- and 500-token rows, and padding each
-    call's rows to its longest would waste half the compute (bench/bench_engine_sft_varlen.py)."""
-    batches: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for index in sorted(range(len(datums)), key=lambda i: datums[i].tokens.shape[0]):
-        length = datums[index].tokens.shape[0]
-        if current and max(longest, length) * (len(current) + 1) > budget:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(index)
-        longest = max(longest, length)
-    if current:
-        batches.append(current)
-    return batches

@@ -1,4 +1,6 @@
-"""Training forward that runs a prompt shared by several datums once: a GRPO group's G samples, a DPO pair.
+"""The trainer's forward, one micro-batch at a time; a prompt shared by several datums runs once.
+
+Shared: a GRPO group's G samples, a DPO pair; everything else runs as length-sorted, right-padded rows.
 
 An RL batch holds each prompt G times (one datum per sample) and a DPO batch twice (chosen, rejected).
 A causal model's hidden states over a prompt do not depend on what follows it, so the trainer runs the
@@ -16,6 +18,7 @@ least one token of its own).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +47,40 @@ class TokenRows:
     datum_rows: dict[int, torch.Tensor]  # datum index -> int64 [T_i] rows of its positions
 
 
+def token_rows(
+    decoder: torch.nn.Module, tokens: list[torch.Tensor], targets: list[torch.Tensor], budget: int, share: bool = True
+) -> Iterator[TokenRows]:
+    """The hidden states of every datum position, one micro-batch of at most ``budget`` padded tokens at a
+    time: datums that share a prompt (:func:`group_by_prefix`) run it once per group, the others as rows.
+    ``share=False`` runs every datum as its own row."""
+    groups = group_by_prefix(tokens) if share else [PrefixGroup((i,), 0) for i in range(len(tokens))]
+    batches, left = shared_microbatches([g for g in groups if g.shared], tokens, budget)
+    alone = sorted(left + [index for group in groups if not group.shared for index in group.members])
+    for positions in _plain_microbatches([tokens[i].shape[0] for i in alone], budget):
+        yield plain_rows(decoder, [alone[k] for k in positions], tokens, targets)
+    for batch in batches:
+        yield shared_rows(decoder, batch, tokens, targets)
+
+
+def _plain_microbatches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Positions in ``lengths`` per micro-batch of at most ``budget`` padded tokens. Rows go in order of
+    length, so a micro-batch pads little: chat data mixes 20- and 500-token rows, and padding each
+    call's rows to its longest would waste half the compute (bench/bench_engine_sft_varlen.py). A row
+    longer than the budget runs alone."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for index in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if current and max(longest, lengths[index]) * (len(current) + 1) > budget:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(index)
+        longest = max(longest, lengths[index])
+    if current:
+        batches.append(current)
+    return batches
+
+
 def group_by_prefix(tokens: list[torch.Tensor]) -> list[PrefixGroup]:
     """Partitions datums into groups that share a prefix (singletons share nothing), saving the most tokens.
 
@@ -63,7 +100,7 @@ def group_by_prefix(tokens: list[torch.Tensor]) -> list[PrefixGroup]:
             # Every member in a sub-group that shares more: those are the groups, the run's prefix their root.
             groups += [PrefixGroup(tuple(sorted(order[start + a : start + b])), c) for a, b, c in sub_runs]
         else:
-            groups.append(PrefixGroup(tuple(sorted(order[start:end])), shared if end - start > 1 else 0))
+            groups.append(PrefixGroup(tuple(sorted(order[start:end])), shared))  # a singleton: shared 0
     return groups
 
 
@@ -93,8 +130,9 @@ def _best_runs(common: list[int], floor: int, minimum: int) -> list[tuple[int, i
     return runs[::-1]
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    limit = min(len(a), len(b)) - 1
+def _common_prefix(a: np.ndarray, b: np.ndarray, limit: int | None = None) -> int:
+    """Leading tokens ``a`` and ``b`` share, at most ``limit`` (default: leaving each one of its own)."""
+    limit = min(len(a), len(b)) - 1 if limit is None else limit
     if limit <= 0:
         return 0
     differ = np.flatnonzero(a[:limit] != b[:limit])
@@ -148,7 +186,7 @@ def shared_microbatches(
         current = candidate
     if current:
         batches.append(current)
-    return batches, sorted(alone)
+    return batches, alone
 
 
 def _padded_tokens(chunks: list[PrefixGroup], tokens: list[torch.Tensor]) -> int:
@@ -260,14 +298,13 @@ def common_root(groups: list[PrefixGroup], tokens: list[torch.Tensor]) -> int:
     first = tokens[groups[0].members[0]].numpy()
     root = min(group.shared for group in groups) - 1
     for group in groups[1:]:
-        other = tokens[group.members[0]].numpy()
-        differ = np.flatnonzero(first[:root] != other[:root])
-        root = int(differ[0]) if len(differ) else root
+        root = _common_prefix(first, tokens[group.members[0]].numpy(), root)
     return root if root >= MIN_SHARED_TOKENS else 0
 
 
 class _PrefixLayer(DynamicLayer):
-    """A cache layer that starts out holding given keys/values (with their autograd graph)."""
+    """A cache layer that starts out holding given keys/values (with their autograd graph). Not
+    ``kv_rows.ColumnBufferLayer``: that one writes new columns in place, which autograd cannot follow."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
