@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from localtinker.engine import merged_lora
 from localtinker.engine.api import (
     AdamSpec,
     CheckpointInfo,
@@ -60,6 +61,10 @@ SHARE_PREFIXES = True
 SNAPSHOTS_PER_MODEL = 8
 # Sampler adapters kept resident per base model (others reload from disk on use).
 RESIDENT_SAMPLER_ADAPTERS = 4
+# Of those, how many sample through weights with the LoRA folded in (merged_lora.py; float32 only). Each
+# costs a copy of the adapted base weights (540 MB on SmolLM2-135M): two cover an RL loop's current and
+# previous snapshot; a third set of weights sampled at the same moment runs unmerged.
+MERGED_SAMPLER_ADAPTERS = 2
 
 
 @dataclass
@@ -89,6 +94,7 @@ class _Host:
     base: BaseModel
     adapters: AdapterHost
     resident: OrderedDict = field(default_factory=OrderedDict)  # sampler weights key -> adapter name
+    merged: OrderedDict = field(default_factory=OrderedDict)  # adapter name -> bytes of its merged weights
     held: Counter = field(default_factory=Counter)  # adapter name -> decode batches using it (never evicted)
 
 
@@ -358,6 +364,7 @@ class LocalEngine:
         host = self._hosts[sampler.base_name]
         adapter = self._resident_adapter(host, sampler)
         if adapter is not None:
+            self._merge_for_sampling(host, adapter)
             host.held[adapter] += 1
         base = host.base
         pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else base.eos_token_ids[0]
@@ -399,8 +406,27 @@ class LocalEngine:
         # Least recently used first; adapters a decode batch still uses stay (so the limit is soft).
         evictable = [k for k, name in host.resident.items() if not host.held[name] and k != key]
         while len(host.resident) > RESIDENT_SAMPLER_ADAPTERS and evictable:
-            host.adapters.delete_adapter(host.resident.pop(evictable.pop(0)))
+            evicted = host.resident.pop(evictable.pop(0))
+            host.merged.pop(evicted, None)
+            host.adapters.delete_adapter(evicted)
         return adapter
+
+    def _merge_for_sampling(self, host: _Host, adapter: str) -> None:
+        """Folds a sampler adapter into its base weights (merged_lora.py) when a slot is free or can be freed
+        (least recently used first, never one a decode batch is using) and no batch is decoding it unmerged."""
+        model = host.base.model
+        if adapter in host.merged:
+            host.merged.move_to_end(adapter)
+            return
+        if host.held[adapter] or not merged_lora.mergeable(model, adapter):
+            return
+        while len(host.merged) >= MERGED_SAMPLER_ADAPTERS:
+            victim = next((name for name in host.merged if not host.held[name]), None)
+            if victim is None:
+                return
+            del host.merged[victim]
+            merged_lora.unmerge(model, victim)
+        host.merged[adapter] = merged_lora.merge(model, adapter)
 
     # ----- helpers ------------------------------------------------------------------------------
 

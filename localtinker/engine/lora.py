@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from localtinker.engine.api import EngineUserError, LoraSpec
+from localtinker.engine.merged_lora import merged_output, unmerge
 
 # Llama-family projection names (SmolLM2, Llama, Qwen2/3, Mistral all use them).
 ATTENTION_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -95,6 +96,7 @@ class AdapterHost:
             if len(self._peft.peft_config) == 1:
                 # peft refuses to delete the last adapter; leave it (it is never activated again).
                 return
+            unmerge(self.model, name)
             self._peft.delete_adapter(name)
             self._active = None
 
@@ -180,8 +182,11 @@ def fused_lora_forward(
     plain = name in layer.lora_A and name not in layer.lora_variant
     if not plain or not isinstance(layer.lora_dropout[name], torch.nn.Identity):
         return peft_forward(x, *args, **kwargs)
-    lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
     rows = x.reshape(-1, x.shape[-1])
+    merged = merged_output(layer, name, rows)  # a sampler adapter folded into its base weights
+    if merged is not None:
+        return merged.view(*x.shape[:-1], merged.shape[-1])
+    lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
     base = layer.base_layer(rows)
     if rows.dtype != lora_a.dtype or lora_a.dtype != lora_b.dtype or base.dtype != lora_b.dtype:
         # Mixed precision (bf16 compute or autocast): peft's formula, reusing the one base output.

@@ -33,7 +33,7 @@ _PROBE_ROWS = (32, 128)  # a decode step, a prefill
 _PROBE_REPEATS = 3  # after one warm-up round; SmolLM2's shapes take ~2.5 s in all, once per process
 _MIN_GAIN = 0.10  # with few rows the packed kernel must be this much faster ...
 _MAX_LOSS = 0.05  # ... and with many rows at most this much slower
-_PACKED = "_localtinker_packed"  # on a packed layer: its packed weight
+PACKED_ATTR = "_localtinker_packed"  # on a packed layer: its packed weight
 _CHOICES = "_localtinker_packing_choices"  # on the model: {(out, in): packed}, once packed
 
 _state = threading.local()
@@ -41,6 +41,11 @@ _state = threading.local()
 
 def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def in_packed_sampling() -> bool:
+    """True inside :func:`packed_sampling` on this thread (sampling-only kernels may run)."""
+    return getattr(_state, "active", False)
 
 
 @contextmanager
@@ -83,7 +88,7 @@ def pack_frozen_linears(model: torch.nn.Module, measure: bool = True) -> dict[tu
             if shape not in choices:
                 choices[shape] = _packed_wins(module.weight) if measure else True
             if choices[shape]:
-                setattr(module, _PACKED, pack_weight(module.weight))
+                setattr(module, PACKED_ATTR, pack_weight(module.weight))
                 plain_forward = module.forward
                 module.forward = lambda x, _m=module, _plain=plain_forward: _forward(_m, _plain, x)
     setattr(model, _CHOICES, choices)
@@ -91,8 +96,8 @@ def pack_frozen_linears(model: torch.nn.Module, measure: bool = True) -> dict[tu
 
 
 def _forward(module: torch.nn.Linear, plain_forward, x: torch.Tensor) -> torch.Tensor:
-    if getattr(_state, "active", False) and not torch.is_grad_enabled() and x.dtype == torch.float32 and x.numel():
-        return packed_linear(x, getattr(module, _PACKED), module.bias)
+    if in_packed_sampling() and not torch.is_grad_enabled() and x.dtype == torch.float32 and x.numel():
+        return packed_linear(x, getattr(module, PACKED_ATTR), module.bias)
     return plain_forward(x)
 
 

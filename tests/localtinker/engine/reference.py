@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from localtinker.engine.api import DatumArrays, LoraSpec
-from localtinker.engine.lora import LORA_ALPHA, target_module_names
+from localtinker.engine.lora import LORA_ALPHA, AdapterHost, target_module_names
 from localtinker.engine.models import tiny_random_dir
 
 TINY = "localtinker/tiny-random"
@@ -44,3 +44,16 @@ def sft_datum(rng: np.random.Generator, length: int, vocab: int = 49152) -> Datu
     tokens = rng.integers(0, vocab, size=length + 1)
     weights = (rng.random(length) < 0.7).astype(np.float32)
     return DatumArrays(tokens=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights})
+
+
+def host_with_random_b(*, seed: int = 0) -> tuple[AdapterHost, str]:
+    """An adapter on every projection of a fresh tiny model, with B random rather than zero."""
+    base = AutoModelForCausalLM.from_pretrained(tiny_random_dir(), dtype=torch.float32)
+    host = AdapterHost(base)
+    name = host.add_adapter(LoraSpec(rank=4, train_attn=True, train_mlp=True, train_unembed=True), seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for key, param in host.parameters(name).items():
+            if "lora_B" in key:  # B starts at zero, which would hide any error in the B·A·x term
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    return host, name

@@ -9,18 +9,7 @@ from transformers import AutoModelForCausalLM
 import localtinker.engine.lora as lora
 from localtinker.engine.api import LoraSpec
 from localtinker.engine.models import tiny_random_dir
-
-
-def _host_with_random_b(*, seed: int = 0) -> tuple[lora.AdapterHost, str]:
-    base = AutoModelForCausalLM.from_pretrained(tiny_random_dir(), dtype=torch.float32)
-    host = lora.AdapterHost(base)
-    name = host.add_adapter(LoraSpec(rank=4, train_attn=True, train_mlp=True, train_unembed=True), seed)
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for key, param in host.parameters(name).items():
-            if "lora_B" in key:  # B starts at zero, which would hide any error in the B·A·x term
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    return host, name
+from tests.localtinker.engine.reference import host_with_random_b
 
 
 def _loss_and_grads(
@@ -37,7 +26,7 @@ def _loss_and_grads(
 
 
 def test_fused_forward_matches_peft_in_values_and_gradients(monkeypatch):
-    host, name = _host_with_random_b()
+    host, name = host_with_random_b()
     tokens = torch.randint(0, 200, (2, 11), generator=torch.Generator().manual_seed(3))
     monkeypatch.setattr(lora, "FUSED_FORWARD", True)
     fused_logits, fused_grads = _loss_and_grads(host, name, tokens)
@@ -53,7 +42,7 @@ def test_fused_forward_matches_peft_in_values_and_gradients(monkeypatch):
 
 
 def test_every_lora_layer_is_routed_through_the_fused_forward_once():
-    host, _ = _host_with_random_b()
+    host, _ = host_with_random_b()
     from peft.tuners.lora import Linear as LoraLinear
 
     layers = [m for m in host.model.modules() if isinstance(m, LoraLinear)]
@@ -65,7 +54,7 @@ def test_every_lora_layer_is_routed_through_the_fused_forward_once():
 
 @pytest.mark.parametrize("case", ["adapters_disabled", "no_adapter_active"])
 def test_fused_forward_falls_back_to_the_plain_model(case):
-    host, name = _host_with_random_b()
+    host, name = host_with_random_b()
     tokens = torch.randint(0, 200, (1, 7), generator=torch.Generator().manual_seed(4))
     plain = AutoModelForCausalLM.from_pretrained(tiny_random_dir(), dtype=torch.float32)
     with torch.no_grad():
@@ -85,7 +74,7 @@ def test_fused_forward_falls_back_to_the_plain_model(case):
 def test_fused_forward_under_bf16_autocast_matches_peft_and_runs_each_base_layer_once(monkeypatch):
     from peft.tuners.lora import Linear as LoraLinear
 
-    host, name = _host_with_random_b()
+    host, name = host_with_random_b()
     tokens = torch.randint(0, 200, (1, 9), generator=torch.Generator().manual_seed(5))
     base_calls: list[int] = []
     lora_layers = [m for m in host.model.modules() if isinstance(m, LoraLinear)]
