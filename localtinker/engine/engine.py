@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from localtinker.engine.models import DTYPES, TINY_RANDOM_NAME, BaseModel, load_
 from localtinker.engine.optimizer import AdamState, adamw_step, validate_adam
 from localtinker.engine.packaged import SMOLLM2_NAME
 from localtinker.engine.prefix_sharing import token_rows
+from localtinker.engine.retained_forward import LogprobBatch, RetainedForward, forward_tracking
 from localtinker.engine.sample_stream import SampleStream, SamplingTarget
 from localtinker.engine.sampler import validate_sample_spec
 
@@ -57,6 +59,11 @@ TRAIN_MICROBATCH_TOKENS = 512
 # Datums sharing a prompt (an RL group, a DPO pair) run it once (prefix_sharing.py). False: every datum
 # runs whole (benchmarks and tests compare the two).
 SHARE_PREFIXES = True
+# A forward of at most this many tokens keeps its graph for a following forward_backward on the same
+# datums, which then runs the backward only (retained_forward.py: the SDK's forward_backward_custom).
+# The graph holds every micro-batch's activations at once, ~1.2 MB per token on SmolLM2-135M.
+RETAIN_FORWARDS = True
+RETAINED_FORWARD_TOKENS = 2048
 # Snapshots of a training model's weights (save_weights_and_get_sampling_client) kept per model.
 SNAPSHOTS_PER_MODEL = 8
 # Sampler adapters kept resident per base model (others reload from disk on use).
@@ -116,6 +123,7 @@ class LocalEngine:
         self._snapshots: dict[tuple[str, int], Path] = {}
         self._snapshot_counter = 0
         self._lock = threading.RLock()  # the protocol calls from one thread; this guards misuse
+        self._retained: RetainedForward | None = None  # the last small forward's graph (retained_forward.py)
 
     # ----- models -------------------------------------------------------------------------------
 
@@ -169,6 +177,7 @@ class LocalEngine:
         """Frees a training model's adapter and optimizer state (its checkpoints stay on disk)."""
         with self._lock:
             model = self._models.pop(model_id, None)
+            self._drop_retained(model_id)
             if model is not None:
                 self._hosts[model.base_name].adapters.delete_adapter(model.adapter)
 
@@ -187,19 +196,37 @@ class LocalEngine:
             host = self._hosts[model.base_name]
             config = resolve_loss_config(loss_fn, loss_fn_config)
             datums = prepare_datums(data, loss_fn, host.base.vocab_size, host.base.max_context_length)
+            retained, self._retained = self._retained, None
+            if forward_only or not (retained and retained.serves(model_id, model.version, datums, loss_fn, config)):
+                retained = None  # freed before this call's own forward
             with host.adapters.activated(model.adapter):
                 if forward_only:
+                    if RETAIN_FORWARDS and sum(len(d.tokens) for d in datums) <= RETAINED_FORWARD_TOKENS:
+                        return self._forward_retaining(model, host, datums, loss_fn, config)
                     with torch.inference_mode():
-                        return self._run_loss(host.base.model, datums, loss_fn, config, backward=False)
-                return self._accumulate_grads(model, host, datums, loss_fn, config)
+                        return self._losses(self._logprob_batches(host, datums, loss_fn, config), datums, loss_fn,
+                                            config, backward=False)
+                # Served by the kept forward (backward only), or a forward of its own.
+                batches = iter(retained.batches) if retained else self._logprob_batches(host, datums, loss_fn, config)
+                del retained
+                return self._accumulate_grads(model, lambda: self._losses(batches, datums, loss_fn, config, backward=True))
 
-    def _accumulate_grads(self, model, host, datums, loss_fn, config) -> ForwardBackwardResult:
+    def _forward_retaining(self, model, host, datums, loss_fn, config) -> ForwardBackwardResult:
+        """A forward with its graph kept for a following ``forward_backward`` on the same datums (retained_forward.py)."""
+        batches = list(self._logprob_batches(host, datums, loss_fn, config, tracking=forward_tracking))
+        self._retained = RetainedForward(
+            model.model_id, model.version, [d.tokens for d in datums], [d.targets for d in datums], batches
+        )
+        with torch.no_grad():
+            return self._losses(iter(batches), datums, loss_fn, config, backward=False)
+
+    def _accumulate_grads(self, model, run: Callable[[], ForwardBackwardResult]) -> ForwardBackwardResult:
         """Computes grads into fresh buffers and adds them on success, so a failure leaves earlier grads intact."""
         previous = {key: p.grad for key, p in model.params.items()}
         for param in model.params.values():
             param.grad = None
         try:
-            result = self._run_loss(host.base.model, datums, loss_fn, config, backward=True)
+            result = run()
         except BaseException:
             for key, param in model.params.items():
                 param.grad = previous[key]
@@ -209,21 +236,33 @@ class LocalEngine:
                 param.grad = previous[key] if param.grad is None else param.grad.add_(previous[key])
         return result
 
-    def _run_loss(self, causal_lm, datums: list[PreparedDatum], loss_fn, config, backward: bool) -> ForwardBackwardResult:
-        decoder = causal_lm.get_decoder()
+    def _logprob_batches(self, host: _Host, datums: list[PreparedDatum], loss_fn: str, config,
+                         tracking: Callable[[PreparedDatum], torch.Tensor] | None = None) -> Iterator[LogprobBatch]:
+        """Token logprobs per micro-batch, with a graph through the rows ``tracking`` marks (by default the
+        tokens ``loss_fn`` can move), computed one micro-batch at a time as the caller asks for the next."""
+        causal_lm = host.base.model
         lm_head = causal_lm.get_output_embeddings()
+        tokens, targets = [d.tokens for d in datums], [d.targets for d in datums]
+        for rows in token_rows(causal_lm.get_decoder(), tokens, targets, TRAIN_MICROBATCH_TOKENS, share=SHARE_PREFIXES):
+            tracked = torch.zeros(rows.targets.shape[0], dtype=torch.bool)
+            for index, datum_rows in rows.datum_rows.items():
+                marks = tracking(datums[index]) if tracking else gradient_tokens(loss_fn, datums[index].loss_inputs, config)
+                tracked[datum_rows[marks]] = True
+            logprobs = token_logprobs_tracking(rows.hidden, lm_head, rows.targets, tracked)
+            yield LogprobBatch(rows.datum_rows, logprobs, tracked)
+
+    @staticmethod
+    def _losses(batches: Iterator[LogprobBatch], datums: list[PreparedDatum], loss_fn: str, config,
+                backward: bool) -> ForwardBackwardResult:
+        """``loss_fn`` on each micro-batch's logprobs (back-propagated micro-batch by micro-batch when
+        ``backward``): per-datum logprobs and elementwise losses, and the summed loss."""
         loss_function = LOSSES[loss_fn]
         outputs: list[dict[str, np.ndarray]] = [{} for _ in datums]
         total = 0.0
-        tokens, targets = [d.tokens for d in datums], [d.targets for d in datums]
-        for rows in token_rows(decoder, tokens, targets, TRAIN_MICROBATCH_TOKENS, share=SHARE_PREFIXES):
-            tracked = torch.zeros(rows.targets.shape[0], dtype=torch.bool)
-            for index, datum_rows in rows.datum_rows.items():
-                tracked[datum_rows[gradient_tokens(loss_fn, datums[index].loss_inputs, config)]] = True
-            row_logprobs = token_logprobs_tracking(rows.hidden, lm_head, rows.targets, tracked)
-            batch_loss = row_logprobs.new_zeros(())
-            for index, datum_rows in rows.datum_rows.items():
-                lp = row_logprobs[datum_rows]
+        for batch in batches:
+            batch_loss = batch.logprobs.new_zeros(())
+            for index, datum_rows in batch.datum_rows.items():
+                lp = batch.logprobs[datum_rows]
                 elementwise = loss_function(lp, datums[index].loss_inputs, config)
                 batch_loss = batch_loss + elementwise.sum()
                 outputs[index] = {
@@ -241,6 +280,7 @@ class LocalEngine:
             validate_adam(adam)
             metrics = adamw_step(model.params, model.adam, adam)
             model.version += 1
+            self._drop_retained(model_id)
             return metrics
 
     # ----- checkpoints --------------------------------------------------------------------------
@@ -429,6 +469,10 @@ class LocalEngine:
         host.merged[adapter] = merged_lora.merge(model, adapter)
 
     # ----- helpers ------------------------------------------------------------------------------
+
+    def _drop_retained(self, model_id: str) -> None:
+        if self._retained is not None and self._retained.model_id == model_id:
+            self._retained = None
 
     def _host(self, base_model: str) -> _Host:
         if base_model not in self._hosts:

@@ -10,6 +10,7 @@ import tinker
 import torch
 from tinker import types
 
+import localtinker.engine.engine as engine_module
 from localtinker.server import RunningServer
 from tests.fixtures.server import LOCAL_API_KEY, TINY_MODEL
 
@@ -76,6 +77,39 @@ def test_client_side_custom_loss_gradient_equals_the_analytic_one(
     expected_loss, analytic = _analytic_grads(tinker_server, trainer, data)
     assert result.metrics["loss:sum"] == pytest.approx(expected_loss, rel=1e-5)
     _assert_same_grads(custom, analytic)
+
+
+def test_the_custom_loss_backward_reuses_the_forward_pass_with_the_same_gradient(
+    service_client: tinker.ServiceClient, tinker_server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the SDK's reserved request ids: the forward's graph is kept and its backward needs no second forward."""
+    trainer = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=9).result()
+    sft = [
+        types.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"],
+                                                               "weights": [1.0] * d.model_input.length})
+        for d in _data()
+    ]
+    trainer.forward_backward(sft, "cross_entropy").result()
+    trainer.optim_step(types.AdamParams(learning_rate=0.05)).result()  # B != 0
+    decoder = tinker_server.engine._hosts[TINY_MODEL].base.model.get_decoder()
+    passes: list[int] = []
+    handle = decoder.register_forward_hook(lambda *args: passes.append(1))
+
+    def squared_logprobs(batch: list[types.Datum], logprobs: list[torch.Tensor]):
+        return sum((d.loss_fn_inputs["advantages"].to_torch() * lp**2).sum() for d, lp in zip(batch, logprobs)), {}
+
+    try:
+        kept = trainer.forward_backward_custom(_data(), squared_logprobs).result()
+        kept_grads, kept_passes = _grads_of(tinker_server, trainer), len(passes)
+        monkeypatch.setattr(engine_module, "RETAIN_FORWARDS", False)
+        passes.clear()
+        recomputed = trainer.forward_backward_custom(_data(), squared_logprobs).result()
+        recomputed_grads = _grads_of(tinker_server, trainer)
+    finally:
+        handle.remove()
+    assert kept_passes == 1 and len(passes) == 2  # one micro-batch: one forward instead of two
+    assert kept.metrics["loss:sum"] == pytest.approx(recomputed.metrics["loss:sum"], rel=1e-6)
+    _assert_same_grads(kept_grads, recomputed_grads)
 
 
 def test_create_custom_loss_runs_client_side_with_the_analytic_gradient(
