@@ -6,7 +6,8 @@ step per batch. Reference logprobs are computed once, before timing, on every si
 
 - ours DPO: ``forward_backward_custom(datums, dpo_loss_fn)`` + ``optim_step`` through the real SDK
   against an in-process localtinker server (the SDK's client-side custom loss: a forward, the loss
-  locally, then a weighted cross-entropy backward);
+  locally, then a weighted cross-entropy forward_backward, which localtinker serves from the kept
+  graph of that forward: a backward only);
 - ours SFT: ``forward_backward(datums, "cross_entropy")`` + ``optim_step`` on the same tokens;
 - baseline: the DPO loop a user would write with transformers + peft (policy forward, per-token
   logprobs, DPO loss, backward, ``torch.optim.AdamW``), in float32 and under bf16 autocast; the faster
