@@ -12,6 +12,7 @@ without AMX its matmuls run in float32 (see models.py and README.md in this dire
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -59,9 +60,10 @@ TRAIN_MICROBATCH_TOKENS = 512
 # Datums sharing a prompt (an RL group, a DPO pair) run it once (prefix_sharing.py). False: every datum
 # runs whole (benchmarks and tests compare the two).
 SHARE_PREFIXES = True
-# A forward of at most this many tokens keeps its graph for a following forward_backward on the same
-# datums, which then runs the backward only (retained_forward.py: the SDK's forward_backward_custom).
-# The graph holds every micro-batch's activations at once, ~1.2 MB per token on SmolLM2-135M.
+# A forward keeps the graphs of its first micro-batches, up to this many tokens (checked before each
+# micro-batch), for a following forward_backward on the same datums, which then runs only their backward
+# (retained_forward.py: the SDK's forward_backward_custom). The kept graphs hold those micro-batches'
+# activations at once, ~1.2 MB per token on SmolLM2-135M.
 RETAIN_FORWARDS = True
 RETAINED_FORWARD_TOKENS = 2048
 # Snapshots of a training model's weights (save_weights_and_get_sampling_client) kept per model.
@@ -201,24 +203,47 @@ class LocalEngine:
                 retained = None  # freed before this call's own forward
             with host.adapters.activated(model.adapter):
                 if forward_only:
-                    if RETAIN_FORWARDS and sum(len(d.tokens) for d in datums) <= RETAINED_FORWARD_TOKENS:
+                    if RETAIN_FORWARDS:
                         return self._forward_retaining(model, host, datums, loss_fn, config)
                     with torch.inference_mode():
                         return self._losses(self._logprob_batches(host, datums, loss_fn, config), datums, loss_fn,
                                             config, backward=False)
-                # Served by the kept forward (backward only), or a forward of its own.
-                batches = iter(retained.batches) if retained else self._logprob_batches(host, datums, loss_fn, config)
+                if retained:  # the kept micro-batches need a backward only; the others run here again
+                    rest = retained.recompute
+                    batches = itertools.chain(
+                        retained.batches,
+                        self._logprob_batches(host, [datums[i] for i in rest], loss_fn, config, keys=rest) if rest else (),
+                    )
+                else:
+                    batches = self._logprob_batches(host, datums, loss_fn, config)
                 del retained
                 return self._accumulate_grads(model, lambda: self._losses(batches, datums, loss_fn, config, backward=True))
 
     def _forward_retaining(self, model, host, datums, loss_fn, config) -> ForwardBackwardResult:
-        """A forward with its graph kept for a following ``forward_backward`` on the same datums (retained_forward.py)."""
-        batches = list(self._logprob_batches(host, datums, loss_fn, config, tracking=forward_tracking))
+        """A forward keeping the graphs of its first micro-batches, up to ``RETAINED_FORWARD_TOKENS`` tokens
+        (checked before each), for a following ``forward_backward`` on the same datums (retained_forward.py)."""
+        kept: list[LogprobBatch] = []
+        others: list[LogprobBatch] = []
+        kept_tokens = 0
+        batches = self._logprob_batches(host, datums, loss_fn, config, tracking=forward_tracking)
+        while True:
+            keep = kept_tokens < RETAINED_FORWARD_TOKENS
+            with torch.set_grad_enabled(keep):
+                batch = next(batches, None)
+            if batch is None:
+                break
+            if keep:
+                kept.append(batch)
+                kept_tokens += batch.logprobs.shape[0]
+            else:
+                others.append(batch)
+        kept_datums = {index for batch in kept for index in batch.datum_rows}
         self._retained = RetainedForward(
-            model.model_id, model.version, [d.tokens for d in datums], [d.targets for d in datums], batches
+            model.model_id, model.version, [d.tokens for d in datums], [d.targets for d in datums], kept,
+            recompute=[index for index in range(len(datums)) if index not in kept_datums],
         )
         with torch.no_grad():
-            return self._losses(iter(batches), datums, loss_fn, config, backward=False)
+            return self._losses(iter(kept + others), datums, loss_fn, config, backward=False)
 
     def _accumulate_grads(self, model, run: Callable[[], ForwardBackwardResult]) -> ForwardBackwardResult:
         """Computes grads into fresh buffers and adds them on success, so a failure leaves earlier grads intact."""
@@ -237,9 +262,12 @@ class LocalEngine:
         return result
 
     def _logprob_batches(self, host: _Host, datums: list[PreparedDatum], loss_fn: str, config,
-                         tracking: Callable[[PreparedDatum], torch.Tensor] | None = None) -> Iterator[LogprobBatch]:
+                         tracking: Callable[[PreparedDatum], torch.Tensor] | None = None,
+                         keys: list[int] | None = None) -> Iterator[LogprobBatch]:
         """Token logprobs per micro-batch, with a graph through the rows ``tracking`` marks (by default the
-        tokens ``loss_fn`` can move), computed one micro-batch at a time as the caller asks for the next."""
+        tokens ``loss_fn`` can move), computed one micro-batch at a time as the caller asks for the next
+        (under the caller's grad mode at that moment). ``keys``: the datums' indices in the call, when they
+        are a subset of it."""
         causal_lm = host.base.model
         lm_head = causal_lm.get_output_embeddings()
         tokens, targets = [d.tokens for d in datums], [d.targets for d in datums]
@@ -249,7 +277,8 @@ class LocalEngine:
                 marks = tracking(datums[index]) if tracking else gradient_tokens(loss_fn, datums[index].loss_inputs, config)
                 tracked[datum_rows[marks]] = True
             logprobs = token_logprobs_tracking(rows.hidden, lm_head, rows.targets, tracked)
-            yield LogprobBatch(rows.datum_rows, logprobs, tracked)
+            datum_rows = rows.datum_rows if keys is None else {keys[i]: r for i, r in rows.datum_rows.items()}
+            yield LogprobBatch(datum_rows, logprobs, tracked)
 
     @staticmethod
     def _losses(batches: Iterator[LogprobBatch], datums: list[PreparedDatum], loss_fn: str, config,

@@ -12,9 +12,11 @@ its loss can move was tracked by the forward (the forward tracks the tokens its 
 all of them when it marks none; the SDK's custom-loss forward sends the datums' weights). Anything
 else drops the graph and runs the call as usual.
 
-Costs: the forward runs with autograd (its graph is what is kept), and the graph holds the
-activations of every micro-batch at once until the next call on that model (~1.2 MB per token on
-SmolLM2-135M), so only forwards of at most ``max_tokens`` tokens are kept, one per engine.
+Costs: the kept micro-batches run with autograd, and their graphs hold their activations at once
+until the next call (~1.2 MB per token on SmolLM2-135M). So a forward keeps its micro-batches while
+fewer than the engine's ``RETAINED_FORWARD_TOKENS`` are kept (checked before each: at most one
+micro-batch over, and one micro-batch is what a ``forward_backward`` holds anyway); the rest run
+without a graph and their datums' forward runs again in the backward call. One per engine.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class RetainedForward:
     version: int  # the model's weights version when the forward ran
     tokens: list[torch.Tensor]
     targets: list[torch.Tensor]
-    batches: list[LogprobBatch]
+    batches: list[LogprobBatch]  # the kept micro-batches, with their graphs
+    recompute: list[int]  # datums in no kept micro-batch: the backward call runs their forward again
 
     def serves(self, model_id: str, version: int, datums: list[PreparedDatum], loss_fn: str,
                config: dict[str, float]) -> bool:
