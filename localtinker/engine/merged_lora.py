@@ -6,8 +6,9 @@ over each output per step, 7.7% of a 32-prompt sampling call (4.87 vs 4.52 s aga
 model, float32, one thread, 4 interleaved repeats). A sampler's weights never change, so its
 adapter can be merged once: W' = W + s·B·A, one product per layer (0.16-0.18 s for all 134 M weights
 here, 0.4 s the first time, when the pages are fresh; a layer's buffer is kept for the next merge, so
-an RL loop that makes a snapshot per step pays the page faults once). The packed kernel of
-``packed_linear`` serves a merged weight whose base layer it serves.
+an RL loop that makes a snapshot per step pays the page faults once). Where ``packed_linear`` packs
+the base layer, only W' packed is kept (W''s buffer is the one kept for the next merge); elsewhere W'.
+So a merged adapter holds one copy of the adapted weights, and the kept buffers one more at most.
 
 Only float32: in bfloat16 W' would round the update away (a LoRA delta is orders of magnitude below
 the weight it is added to, under bfloat16's 8-bit mantissa), so bfloat16 samplers stay unmerged.
@@ -31,7 +32,7 @@ from localtinker.engine.packed_linear import (
     packed_linear,
 )
 
-_MERGED = "_localtinker_merged"  # on a peft LoRA linear: {adapter name: (W', packed W' or None)}
+_MERGED = "_localtinker_merged"  # on a peft LoRA linear: {adapter name: (W', None) or (None, packed W')}
 _SPARE = "_localtinker_merge_spare"  # on a peft LoRA linear: a freed W' buffer, reused by the next merge
 
 
@@ -67,8 +68,13 @@ def merge(model: torch.nn.Module, name: str) -> int:
             out = spare if spare is not None and spare.shape == base.shape else torch.empty_like(base)
             setattr(layer, _SPARE, None)
             torch.addmm(base, layer.lora_B[name].weight, layer.lora_A[name].weight, alpha=layer.scaling[name], out=out)
-            packed = pack_weight(out) if getattr(layer.base_layer, PACKED_ATTR, None) is not None else None
-            layer.__dict__.setdefault(_MERGED, {})[name] = (out, packed)
+            if getattr(layer.base_layer, PACKED_ATTR, None) is not None:
+                # Only the packed copy serves; W' itself stays as the buffer of the next merge.
+                entry: tuple[torch.Tensor | None, torch.Tensor | None] = (None, pack_weight(out))
+                setattr(layer, _SPARE, out)
+            else:
+                entry = (out, None)
+            layer.__dict__.setdefault(_MERGED, {})[name] = entry
             held += out.numel() * out.element_size()
     return held
 
@@ -76,9 +82,9 @@ def merge(model: torch.nn.Module, name: str) -> int:
 def unmerge(model: torch.nn.Module, name: str) -> None:
     """Drops adapter ``name``'s merged weights (each layer keeps one buffer for the next :func:`merge`)."""
     for layer in _lora_layers(model, name):
-        entry = layer.__dict__.get(_MERGED, {}).pop(name, None)
-        if entry is not None:
-            setattr(layer, _SPARE, entry[0])
+        weight, _ = layer.__dict__.get(_MERGED, {}).pop(name, (None, None))
+        if weight is not None and getattr(layer, _SPARE, None) is None:
+            setattr(layer, _SPARE, weight)
 
 
 def is_merged(model: torch.nn.Module, name: str) -> bool:
@@ -93,6 +99,8 @@ def merged_output(layer: Any, name: str, rows: torch.Tensor) -> torch.Tensor | N
         return None
     weight, packed = entry
     bias = layer.base_layer.bias
-    if packed is not None and rows.numel():
-        return packed_linear(rows, packed, bias)
-    return torch.nn.functional.linear(rows, weight, bias)
+    if packed is None:
+        return torch.nn.functional.linear(rows, weight, bias)
+    if not rows.numel():  # no rows: any weight of the layer's shape gives the empty output
+        return torch.nn.functional.linear(rows, layer.base_layer.weight, bias)
+    return packed_linear(rows, packed, bias)

@@ -46,16 +46,31 @@ def test_merged_weights_compute_the_adapters_function_and_serve_only_sampling_wi
         assert not torch.allclose(_logits(host, name, tokens).detach(), unmerged, atol=1e-3)  # autograd on: live adapter
 
 
-def test_unmerge_drops_the_copies_and_the_next_merge_reuses_their_buffers():
+def _buffer(layer, name) -> int:
+    """Where the layer's W' of adapter ``name`` was computed: the kept W', or (packed layers) the kept buffer."""
+    weight, _ = layer._localtinker_merged[name]
+    return (weight if weight is not None else layer._localtinker_merge_spare).data_ptr()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_unmerge_drops_the_copies_and_the_next_merge_reuses_their_buffers(packed):
+    if packed and not packing_available():
+        pytest.skip("this torch build has no oneDNN")
     host, name = host_with_random_b()
+    if packed:
+        pack_frozen_linears(host.model, measure=False)
+    else:
+        host.model._localtinker_packing_choices = {}  # as if no shape had measured faster packed
     merged_lora.merge(host.model, name)
     layer = next(m for m in host.model.modules() if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict))
-    first = layer._localtinker_merged[name][0].data_ptr()
+    weight, packed_weight = layer._localtinker_merged[name]
+    assert (weight is None, packed_weight is not None) == (packed, packed)  # one copy per layer, not two
+    first = _buffer(layer, name)
     merged_lora.unmerge(host.model, name)
     assert not merged_lora.is_merged(host.model, name)
     other = host.add_adapter(LoraSpec(rank=4, train_attn=True, train_mlp=True, train_unembed=True), seed=5)
     merged_lora.merge(host.model, other)
-    assert layer._localtinker_merged[other][0].data_ptr() == first  # no fresh pages for an RL loop's next snapshot
+    assert _buffer(layer, other) == first  # no fresh pages for an RL loop's next snapshot
     host.delete_adapter(other)
     assert other not in layer.__dict__.get("_localtinker_merged", {})
 
