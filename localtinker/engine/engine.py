@@ -125,7 +125,7 @@ class LocalEngine:
         self._snapshots: dict[tuple[str, int], Path] = {}
         self._snapshot_counter = 0
         self._lock = threading.RLock()  # the protocol calls from one thread; this guards misuse
-        self._retained: RetainedForward | None = None  # the last small forward's graph (retained_forward.py)
+        self._retained: RetainedForward | None = None  # the last forward's kept micro-batches (retained_forward.py)
 
     # ----- models -------------------------------------------------------------------------------
 

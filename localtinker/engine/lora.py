@@ -93,10 +93,10 @@ class AdapterHost:
 
     def delete_adapter(self, name: str) -> None:
         if self._peft is not None and name in self._peft.peft_config:
+            unmerge(self.model, name)  # its merged sampling copies, if any
             if len(self._peft.peft_config) == 1:
                 # peft refuses to delete the last adapter; leave it (it is never activated again).
                 return
-            unmerge(self.model, name)
             self._peft.delete_adapter(name)
             self._active = None
 
