@@ -112,6 +112,36 @@ def test_the_custom_loss_backward_reuses_the_forward_pass_with_the_same_gradient
     _assert_same_grads(kept_grads, recomputed_grads)
 
 
+def test_concurrent_custom_losses_of_two_clients_get_their_own_gradients(
+    service_client: tinker.ServiceClient, tinker_server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two clients' forward/backward pairs interleave on the one worker; a kept forward serves only its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def squared_logprobs(batch: list[types.Datum], logprobs: list[torch.Tensor]):
+        return sum((d.loss_fn_inputs["advantages"].to_torch() * lp**2).sum() for d, lp in zip(batch, logprobs)), {}
+
+    trainers = [service_client.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=s).result() for s in (11, 12)]
+    for trainer in trainers:  # B != 0, and different weights per client
+        trainer.forward_backward_custom(_data(), squared_logprobs).result()
+        trainer.optim_step(types.AdamParams(learning_rate=0.05)).result()
+
+    def three_steps(trainer: tinker.TrainingClient) -> list[dict[str, torch.Tensor]]:
+        grads = []
+        for _ in range(3):
+            trainer.forward_backward_custom(_data(), squared_logprobs).result()
+            grads.append(_grads_of(tinker_server, trainer))  # a zero-LR step: the weights stay
+        return grads
+
+    with ThreadPoolExecutor(2) as pool:
+        concurrent = list(pool.map(three_steps, trainers))
+    monkeypatch.setattr(engine_module, "RETAIN_FORWARDS", False)
+    for trainer, got in zip(trainers, concurrent):
+        expected = three_steps(trainer)[0]
+        for grads in got:
+            _assert_same_grads(grads, expected)
+
+
 def test_create_custom_loss_runs_client_side_with_the_analytic_gradient(
     service_client: tinker.ServiceClient, tinker_server: RunningServer
 ) -> None:
