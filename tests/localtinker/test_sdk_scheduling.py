@@ -15,7 +15,9 @@ from tinker import types
 from tests.fixtures.server import LOCAL_API_KEY, TINY_MODEL
 
 PROMPT = types.ModelInput.from_ints([1, 504, 2000, 31, 77])
-LONG = types.SamplingParams(max_tokens=150, seed=1, stop=[])
+# Long enough that the flood outlasts the 0.5 s head start plus the other client's work by seconds: with 150
+# tokens (~0.9 s on the tiny model) a training step that was not starved still once finished 5 ms after it.
+LONG = types.SamplingParams(max_tokens=600, seed=1, stop=[])
 
 
 def _datum(length: int, offset: int = 0) -> types.Datum:
@@ -55,7 +57,7 @@ def test_a_training_step_is_not_starved_by_a_flood_of_samples(tinker_server, ser
             step_done = time.monotonic()
             flood_finished = flood_done.result()
         assert step_done < min(flood_finished)  # the training step ran between decode steps
-        assert all(len(s.tokens) == 150 for f in flood for s in f.result().sequences)
+        assert all(len(s.tokens) == LONG.max_tokens for f in flood for s in f.result().sequences)
     finally:
         other.close("success").result(timeout=60)
 
