@@ -103,7 +103,7 @@ class _Host:
     base: BaseModel
     adapters: AdapterHost
     resident: OrderedDict = field(default_factory=OrderedDict)  # sampler weights key -> adapter name
-    merged: OrderedDict = field(default_factory=OrderedDict)  # adapter name -> bytes of its merged weights
+    merged: OrderedDict = field(default_factory=OrderedDict)  # adapters with merged weights (keys), least recent first
     held: Counter = field(default_factory=Counter)  # adapter name -> decode batches using it (never evicted)
 
 
@@ -495,7 +495,8 @@ class LocalEngine:
                 return
             del host.merged[victim]
             merged_lora.unmerge(model, victim)
-        host.merged[adapter] = merged_lora.merge(model, adapter)
+        merged_lora.merge(model, adapter)
+        host.merged[adapter] = None
 
     # ----- helpers ------------------------------------------------------------------------------
 

@@ -56,11 +56,10 @@ def mergeable(model: torch.nn.Module, name: str) -> bool:
     )
 
 
-def merge(model: torch.nn.Module, name: str) -> int:
-    """Stores W + s·B·A beside every layer of adapter ``name`` (and its packed form where the base layer
-    is packed); returns the bytes this holds. The caller checks :func:`mergeable` first."""
+def merge(model: torch.nn.Module, name: str) -> None:
+    """Stores W + s·B·A beside every layer of adapter ``name`` (packed, where the base layer is packed).
+    The caller checks :func:`mergeable` first."""
     pack_frozen_linears(model)  # the base layers' packing choices first (once per model), for W' to follow
-    held = 0
     with torch.no_grad():
         for layer in _lora_layers(model, name):
             base = layer.base_layer.weight
@@ -75,8 +74,6 @@ def merge(model: torch.nn.Module, name: str) -> int:
             else:
                 entry = (out, None)
             layer.__dict__.setdefault(_MERGED, {})[name] = entry
-            held += out.numel() * out.element_size()
-    return held
 
 
 def unmerge(model: torch.nn.Module, name: str) -> None:
