@@ -16,7 +16,7 @@ step per batch. Reference logprobs are computed once, before timing, on every si
 All runners alternate step by step in one process, so machine load hits them alike. Prints seconds per
 step, ``dpo/sft`` (goal <= 1.6) and ``baseline/ours`` (goal >= 1.5).
 
-Usage: ``python bench/bench_dpo.py [--steps 3] [--threads 1] [--dtype float32]``
+Usage: ``python bench/bench_dpo.py [--steps 3] [--threads 1] [--dtype auto|float32|bfloat16]``
 """
 
 from __future__ import annotations
@@ -131,13 +131,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads for every runner (0 = torch default)")
-    parser.add_argument("--dtype", default="float32", help="localtinker engine dtype (float32 | bfloat16)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="localtinker engine dtype; auto = bfloat16 where bf16 is native here, else float32")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch threads: {torch.get_num_threads()}, engine dtype: {args.dtype}", flush=True)
     probe = Bf16Probe()
     print(probe.note(), flush=True)
+    args.dtype = probe.engine_dtype(args.dtype)
+    print(f"torch threads: {torch.get_num_threads()}, engine dtype: {args.dtype}", flush=True)
     batches = [make_pairs(seed) for seed in range(args.steps + 1)]
     with tempfile.TemporaryDirectory() as storage, start_server(storage, dtype=args.dtype) as server:
         service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-local")

@@ -89,6 +89,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch threads for every side (0 = torch default)")
     parser.add_argument("--prompts", type=int, default=PROMPTS, help="fewer for a quick check on a busy machine")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="localtinker engine dtype; auto = bfloat16 where bf16 is native here, else float32")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -101,7 +103,9 @@ def main() -> None:
     flop_model = FlopModel(model.config)
     probe = Bf16Probe()
     print(probe.note())
-    with tempfile.TemporaryDirectory() as storage, start_server(storage, dtype="float32") as server:
+    dtype = probe.engine_dtype(args.dtype)
+    print(f"engine dtype: {dtype}")
+    with tempfile.TemporaryDirectory() as storage, start_server(storage, dtype=dtype) as server:
         client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-bench")
         sampler = client.create_sampling_client(base_model=SMOLLM2_NAME).result()
         sdk_concurrent(sampler, prompt_tokens[:4])  # warm-up

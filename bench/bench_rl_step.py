@@ -20,7 +20,7 @@ The sides run one after the other (never at the same time), each in turn built, 
 step, timed for ``--repeats`` steps and dropped (three resident at once exceed this machine's memory);
 each reports the median step and its split into sampling, scoring and training. Torch uses every core (``--threads``, default ``os.cpu_count()``).
 
-Usage: ``python bench/bench_rl_step.py [--repeats 3] [--group-size 4] [--dtype float32]``
+Usage: ``python bench/bench_rl_step.py [--repeats 3] [--group-size 4] [--dtype auto|float32|bfloat16]``
 """
 
 from __future__ import annotations
@@ -338,7 +338,8 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=16, help="problems per step")
     parser.add_argument("--group-size", type=int, default=4, help="samples per problem")
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"], help="localtinker engine dtype (float32: the product default)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="localtinker engine dtype; auto = bfloat16 where bf16 is native here, else float32 (the product default)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, for every side")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -352,6 +353,7 @@ def main() -> None:
     print(f"machine before: {machine_state()}; torch threads {torch.get_num_threads()}")
     probe = Bf16Probe()
     print(probe.note())
+    args.dtype = probe.engine_dtype(args.dtype)
     print(f"workload: {args.groups} problems x group {args.group_size} = {args.groups * args.group_size} samples, "
           f"<= {args.max_tokens} new tokens, LoRA rank {RANK}, SmolLM2-135M-Instruct")
     timed: dict[str, list[StepTimes]] = {}

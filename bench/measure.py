@@ -59,6 +59,16 @@ class Bf16Probe:
     def times_bf16(self) -> bool:
         return self.choice == "always" or (self.choice == "auto" and not self.emulated)
 
+    def engine_dtype(self, choice: str) -> str:
+        """The localtinker dtype for ``--dtype choice``: ``auto`` matches the precision the faster baseline
+        will have here, bfloat16 where this CPU's bf16-autocast matmul beats float32 by the engine's own
+        margin (``bf16_matmul.REQUIRED_SPEEDUP``: its bf16 mode then computes in bf16), float32 elsewhere."""
+        if choice != "auto":
+            return choice
+        from localtinker.engine.bf16_matmul import REQUIRED_SPEEDUP
+
+        return "bfloat16" if self.times_bf16 and self.speed >= REQUIRED_SPEEDUP else "float32"
+
     def select(self, runners: dict) -> dict:
         """``runners`` without the bf16-autocast baselines (names containing "autocast") when they are skipped."""
         return runners if self.times_bf16 else {name: r for name, r in runners.items() if "autocast" not in name}
@@ -101,3 +111,23 @@ class FlopModel:
 def report(flops: float, seconds: float, peak_gflops: float) -> str:
     achieved = flops / seconds / 1e9
     return f"{achieved:.1f} GFLOP/s = {100 * achieved / peak_gflops:.0f}% of the torch.mm peak ({peak_gflops:.1f} GFLOP/s)"
+
+
+def headline_ratio(rates: dict[str, float], goal: str) -> str:
+    """``ours / the faster baseline``, ours in that baseline's precision: ``ours LocalEngine float32`` against
+    a float32 baseline, ``ours LocalEngine bfloat16`` against a bf16-autocast one (a CPU with native bf16
+    makes autocast the faster baseline; a bf16 user would pick our bfloat16 mode there). Rates are
+    higher-is-better; names follow the benches' convention (baselines start with "baseline", autocast
+    ones contain "autocast"). Also states the other precision's ratio when both sides were timed."""
+    baselines = {name: rate for name, rate in rates.items() if name.startswith("baseline")}
+    faster = max(baselines, key=baselines.get)
+    precision = "bfloat16" if "autocast" in faster else "float32"
+    ours = f"ours LocalEngine {precision}"
+    if ours not in rates:  # a bench with one mode of ours
+        ours = next(name for name in rates if name.startswith("ours"))
+    lines = [f"ratio = {ours} / faster baseline ({faster}) = {rates[ours] / baselines[faster]:.2f} (goal {goal})"]
+    for other in ("float32", "bfloat16"):
+        pair = (f"ours LocalEngine {other}", next((b for b in baselines if ("autocast" in b) == (other == "bfloat16")), None))
+        if other != precision and pair[0] in rates and pair[1] is not None:
+            lines.append(f"  same precision, {other}: {pair[0]} / {pair[1]} = {rates[pair[0]] / rates[pair[1]]:.2f}")
+    return "\n".join(lines)

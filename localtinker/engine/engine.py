@@ -6,8 +6,9 @@ point at a base model plus optional adapter weights (a checkpoint, or a snapshot
 model's current weights spilled to disk so long RL runs do not pile snapshots up in memory).
 
 Precision: ``float32`` is exact (sampler and trainer logprobs agree to ~1e-6); ``bfloat16`` keeps
-the frozen base weights in bf16 and the LoRA weights, gradients and Adam moments in float32; on CPUs
-without AMX its matmuls run in float32 (see models.py and README.md in this directory).
+the frozen base weights in bf16 and the LoRA weights, gradients, Adam moments and the unembedding in
+float32; its matmuls run in bf16 only where this CPU measurably multiplies bf16 faster (bf16_matmul.py),
+in float32 elsewhere (see models.py and README.md in this directory).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from localtinker.engine.api import (
 )
 from localtinker.engine.checkpoints import CheckpointStore, parse_tinker_path
 from localtinker.engine.datums import PreparedDatum, prepare_datums
+from localtinker.engine.heap import keep_freed_memory
 from localtinker.engine.logprobs import token_logprobs_tracking
 from localtinker.engine.lora import AdapterHost, validate_lora_spec
 from localtinker.engine.losses import LOSSES, gradient_tokens, resolve_loss_config
@@ -115,6 +117,7 @@ class LocalEngine:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        keep_freed_memory()  # before the worker thread first allocates (heap.py)
         self.dtype = dtype
         self.storage_dir = Path(storage_dir)
         self.checkpoints = CheckpointStore(self.storage_dir / "checkpoints")

@@ -172,9 +172,9 @@ def fused_lora_forward(
 ) -> torch.Tensor:
     """base(x) + (x Aᵀ)(s·B)ᵀ with the add inside one in-place ``addmm_``: the same function as peft's
     ``base(x) + B(A(x)) * s``, without its two elementwise passes over the (tokens × out) output in the
-    forward and the scaling pass in the backward (on lm_head that output is tokens × 49152). Mixed
-    dtypes get peft's formula on the one base output; anything but the plain case (one active vanilla
-    adapter, no dropout, not merged) takes peft's own path."""
+    forward and the scaling pass in the backward (on lm_head that output is tokens × 49152). Under
+    autocast it uses peft's formula on the one base output; anything but the plain case (one active
+    vanilla adapter, no dropout, not merged) takes peft's own path."""
     active = layer.active_adapters
     if not FUSED_FORWARD or args or kwargs or layer.disable_adapters or layer.merged or len(active) != 1:
         return peft_forward(x, *args, **kwargs)
@@ -188,13 +188,18 @@ def fused_lora_forward(
         return merged.view(*x.shape[:-1], merged.shape[-1])
     lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
     base = layer.base_layer(rows)
-    if rows.dtype != lora_a.dtype or lora_a.dtype != lora_b.dtype or base.dtype != lora_b.dtype:
-        # Mixed precision (bf16 compute or autocast): peft's formula, reusing the one base output.
+    if torch.is_autocast_enabled(rows.device.type):
+        # Autocast decides each op's dtype: peft's formula, reusing the one base output.
         delta = torch.nn.functional.linear(torch.nn.functional.linear(rows.to(lora_a.dtype), lora_a), lora_b)
-        base = base + (delta * layer.scaling[name]).to(base.dtype)
-    else:
-        # In place on the 2-D base output: a fresh tensor nothing else holds (its backward needs x and the
-        # weight, not it), so no new [tokens × out] buffer and copy. Not through a view of a 3-D output:
-        # autograd would then copy the whole gradient back (CopySlices) in the backward.
-        base.addmm_(torch.nn.functional.linear(rows, lora_a), (lora_b * layer.scaling[name]).t())
+        return (base + (delta * layer.scaling[name]).to(base.dtype)).view(*x.shape[:-1], base.shape[-1])
+    # The LoRA product runs in the base output's dtype: bf16 base weights that compute in bf16 take the
+    # (float32 master) factors rounded to bf16, as autocast would; the float32 unembedding of a bf16
+    # model takes its bf16 input in float32. Casts of the rank-r factors are negligible; autograd
+    # carries the gradients back to the float32 parameters through them.
+    compute = base.dtype
+    scaled_b = lora_b * layer.scaling[name]
+    # In place on the 2-D base output: a fresh tensor nothing else holds (its backward needs x and the
+    # weight, not it), so no new [tokens × out] buffer and copy. Not through a view of a 3-D output:
+    # autograd would then copy the whole gradient back (CopySlices) in the backward.
+    base.addmm_(torch.nn.functional.linear(rows.to(compute), lora_a.to(compute)), scaled_b.to(compute).t())
     return base.view(*x.shape[:-1], base.shape[-1])

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from localtinker.engine.api import EngineUserError, UnknownModelError
+from localtinker.engine.bf16_matmul import bf16_matmul_is_fast
+from localtinker.engine.float32_attention import use_float32_attention
 from localtinker.engine.hub_cache import register_tokenizer
 from localtinker.engine.packaged import SMOLLM2_NAME, cached_model_dir, localtinker_home, smollm2_hf_dir
 
@@ -113,8 +115,10 @@ def load_base_model(name: str, dtype: str) -> BaseModel:
         register_tokenizer(name, Path(source))
     if DTYPES[dtype] != torch.float32:
         _use_float32_head(model)
-        if not cpu_has_fast_bf16_matmul():
+        if not bf16_matmul_is_fast():
             _compute_linears_in_float32(model)
+        elif getattr(model.config, "_attn_implementation", None) == "sdpa":
+            use_float32_attention(model)
     model.eval()
     model.requires_grad_(False)
     config = model.config
@@ -130,20 +134,10 @@ def load_base_model(name: str, dtype: str) -> BaseModel:
     )
 
 
-def cpu_has_fast_bf16_matmul() -> bool:
-    """True on CPUs with AMX tiles; without them (AVX512-BF16 only) torch's bf16 GEMMs run at roughly
-    half the float32 rate here (measured 25-45 vs 45-60 GFLOP/s per core)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags
-
-
 class Float32ComputeLinear(torch.nn.Linear):
     """A frozen linear layer whose weights stay in bf16 at rest but multiply in float32.
 
-    Used for ``dtype="bfloat16"`` on CPUs without fast bf16 matmuls: half the weight memory of float32,
+    Used for ``dtype="bfloat16"`` where bf16 matmuls are not faster (bf16_matmul.py): half the weight memory of float32,
     float32 speed and accuracy (activations flow in float32), and peft still sees an ``nn.Linear``.
     """
 
@@ -162,8 +156,7 @@ class Float32Head(torch.nn.Linear):
     """The unembedding computed in float32 from (already rounded) low-precision hidden states.
 
     bf16 logits are quantised to ~0.06 at typical magnitudes, which alone would make sampler and trainer
-    logprobs disagree by tenths; a float32 head costs one extra vocab × hidden copy and, on CPUs
-    without AMX, is also faster than the bf16 GEMM. Still an ``nn.Linear``, so peft can put LoRA on it.
+    logprobs disagree by tenths; a float32 head costs one extra vocab × hidden copy. Still an ``nn.Linear``, so peft can put LoRA on it.
     """
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

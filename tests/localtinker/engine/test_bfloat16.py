@@ -1,4 +1,8 @@
-"""bfloat16 mode: bf16 base weights, float32 LoRA/optimizer/head, and sampler-trainer agreement."""
+"""bfloat16 mode: bf16 base weights, float32 LoRA/optimizer/head, and sampler-trainer agreement.
+
+Every case runs twice: matmuls in float32 (CPUs where bf16 is not faster) and in bf16 (where it is),
+whichever this machine would pick, so both paths are tested on every machine.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +12,39 @@ import torch
 
 from localtinker.engine.api import AdamSpec, DatumArrays, LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
-from localtinker.engine.models import cpu_has_fast_bf16_matmul
+from localtinker.engine.bf16_matmul import ENV_CHOICE, bf16_matmul_is_fast
+from localtinker.engine.float32_attention import NAME as FLOAT32_ATTENTION
 from tests.localtinker.engine.reference import TINY, sft_datum
 
 
-@pytest.fixture(scope="module")
-def bf16_engine(tmp_path_factory):
-    return LocalEngine(tmp_path_factory.mktemp("bf16"), dtype="bfloat16")
+@pytest.fixture(scope="module", params=["float32", "bfloat16"], ids=["float32-matmuls", "bf16-matmuls"])
+def bf16_engine(request, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ENV_CHOICE, request.param)
+        bf16_matmul_is_fast.cache_clear()
+        engine = LocalEngine(tmp_path_factory.mktemp("bf16"), dtype="bfloat16")
+        engine.create_model("bf16:train:0", TINY, LoraSpec(rank=4, seed=0))  # loads the base under the choice
+        yield engine
+    bf16_matmul_is_fast.cache_clear()
 
 
 def test_bf16_storage_with_float32_trainable_state(bf16_engine):
-    bf16_engine.create_model("bf16:train:0", TINY, LoraSpec(rank=4, seed=0))
     base = bf16_engine._hosts[TINY].base.model  # noqa: SLF001 - inspecting storage dtypes
-    assert base.get_decoder().layers[0].mlp.up_proj.base_layer.weight.dtype == torch.bfloat16
+    up_proj = base.get_decoder().layers[0].mlp.up_proj.base_layer
+    assert up_proj.weight.dtype == torch.bfloat16
+    hidden = torch.randn(2, up_proj.in_features, dtype=torch.bfloat16)
+    # bf16 matmuls keep activations in bf16 and take attention to float32 (float32_attention.py); float32
+    # matmuls keep the whole body in float32.
+    native = bf16_matmul_is_fast()
+    assert up_proj(hidden).dtype == (torch.bfloat16 if native else torch.float32)
+    assert base.config._attn_implementation == (FLOAT32_ATTENTION if native else "sdpa")
     assert base.get_output_embeddings().base_layer.weight.dtype == torch.float32
     assert all(w.dtype == torch.float32 for w in bf16_engine.lora_weights("bf16:train:0").values())
     rng = np.random.default_rng(0)
     for _ in range(2):
         result = bf16_engine.forward_backward("bf16:train:0", [sft_datum(rng, 12)], "cross_entropy", None, False)
         assert np.isfinite(result.metrics["loss:sum"])
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in bf16_engine._models["bf16:train:0"].params.values())  # noqa: SLF001
         bf16_engine.optim_step("bf16:train:0", AdamSpec(learning_rate=0.05))
 
 
@@ -34,8 +52,8 @@ def test_bf16_sampler_agrees_with_trainer(bf16_engine):
     bf16_engine.create_ephemeral_sampler("bf16-sampler", "bf16:train:0")
     spec = SampleSpec(prompt_tokens=tuple(range(40, 52)), num_samples=2, max_tokens=6, seed=5)
     (result,) = bf16_engine.sample_batch([("bf16-sampler", spec)])
-    # float32 compute on CPUs without AMX keeps float32-level agreement; bf16 GEMMs would give ~0.05.
-    tolerance = 0.2 if cpu_has_fast_bf16_matmul() else 1e-4
+    # float32 compute (where bf16 matmuls are not faster) keeps float32-level agreement; bf16 GEMMs ~0.05.
+    tolerance = 0.2 if bf16_matmul_is_fast() else 1e-4
     for sequence in result.sequences:
         full = list(spec.prompt_tokens) + sequence.tokens
         datum = DatumArrays(tokens=np.array(full[:-1]), loss_fn_inputs={"target_tokens": np.array(full[1:])})
