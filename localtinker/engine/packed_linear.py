@@ -16,7 +16,8 @@ A packed weight serves every call of that layer, whatever its row count, so a ro
 depends on the rows beside it (the packed kernel is batch-invariant; tested) and a request samples the
 same tokens alone or in a crowd. Only inside :func:`packed_sampling` (the decode batch enters it) and
 only without autograd: the packed kernel sums in another order (logits differ from ``F.linear`` by
-~1e-5) and has no backward, so training and the trainer's logprobs keep ``F.linear`` bit for bit.
+~1e-5) and has no backward of its own; the trainer makes its own measured choice with a backward
+(packed_training.py), and where both pack a layer they share the packed W.
 Costs one extra copy of each packed weight (the unembedding's is 113 MB on SmolLM2-135M).
 """
 
@@ -34,6 +35,7 @@ _PROBE_REPEATS = 3  # after one warm-up round; SmolLM2's shapes take ~2.5 s in a
 _MIN_GAIN = 0.10  # with few rows the packed kernel must be this much faster ...
 _MAX_LOSS = 0.05  # ... and with many rows at most this much slower
 PACKED_ATTR = "_localtinker_packed"  # on a packed layer: its packed weight
+TRAIN_PACKED_ATTR = "_localtinker_train_packed"  # (packed W, packed Wᵀ) of the trainer (packed_training.py)
 _CHOICES = "_localtinker_packing_choices"  # on the model: {(out, in): packed}, once packed
 
 _state = threading.local()
@@ -88,7 +90,8 @@ def pack_frozen_linears(model: torch.nn.Module, measure: bool = True) -> dict[tu
             if shape not in choices:
                 choices[shape] = _packed_wins(module.weight) if measure else True
             if choices[shape]:
-                setattr(module, PACKED_ATTR, pack_weight(module.weight))
+                trainer = getattr(module, TRAIN_PACKED_ATTR, None)  # the same packed W, when the trainer has one
+                setattr(module, PACKED_ATTR, trainer[0] if trainer is not None else pack_weight(module.weight))
                 plain_forward = module.forward
                 module.forward = lambda x, _m=module, _plain=plain_forward: _forward(_m, _plain, x)
     setattr(model, _CHOICES, choices)

@@ -46,3 +46,22 @@ def test_the_environment_overrides_the_probe_both_ways(monkeypatch: pytest.Monke
 
 def test_the_peak_is_a_real_measurement() -> None:
     assert measure.mm_peak_gflops(size=128, repeats=2) > 0.1
+
+
+@pytest.mark.parametrize(("float32", "bf16", "expected"), [(60.0, 1.4, "float32"), (60.0, 130.0, "bfloat16"), (60.0, 70.0, "float32")])
+def test_auto_dtype_follows_native_bf16_with_the_engines_margin(monkeypatch: pytest.MonkeyPatch, float32, bf16, expected) -> None:
+    found = probe(monkeypatch, float32=float32, bf16=bf16)
+    assert found.engine_dtype("auto") == expected
+    assert found.engine_dtype("float32") == "float32"  # an explicit choice is kept
+
+
+def test_the_headline_compares_ours_in_the_faster_baselines_precision() -> None:
+    rates = {"baseline loop float32": 100.0, "baseline loop bf16 autocast": 200.0,
+             "ours LocalEngine float32": 130.0, "ours LocalEngine bfloat16": 190.0}
+    text = measure.headline_ratio(rates, ">= 1.2")
+    assert text.splitlines()[0] == (
+        "ratio = ours LocalEngine bfloat16 / faster baseline (baseline loop bf16 autocast) = 0.95 (goal >= 1.2)")
+    assert "float32: ours LocalEngine float32 / baseline loop float32 = 1.30" in text
+    float32_only = {"baseline loop float32": 100.0, "ours LocalEngine float32": 130.0}
+    assert measure.headline_ratio(float32_only, ">= 1.2") == (
+        "ratio = ours LocalEngine float32 / faster baseline (baseline loop float32) = 1.30 (goal >= 1.2)")

@@ -1,0 +1,109 @@
+"""The trainer's frozen float32 linears through oneDNN with packed weights, forward and input gradient.
+
+``F.linear`` runs on the BLAS torch ships (MKL), which on some CPUs leaves speed on the table: on an
+AVX512-BF16 EPYC (Zen 4, 2026-11-24, one thread, 512 rows) MKL ran SmolLM2's layer shapes at 77–100
+GFLOP/s and oneDNN's kernel with the weight packed once at 93–113 (the unembedding 77 → 93). On the
+AVX2 EPYC the 576- and 1536-wide projections were near ties (packed_linear.py). So, once per model
+and weight shape, :func:`pack_for_training` times a training micro-batch's two products through that
+weight, the forward x·Wᵀ and the input gradient g·W, both ways, and packs where oneDNN wins by ≥ 5%.
+
+A LoRA step never updates the frozen weights, so each chosen layer keeps two packed copies, W for the
+forward and Wᵀ for the backward (its weight gradient is never needed): +2 × 4 bytes per weight, ~1 GB
+on SmolLM2-135M if every shape is chosen; the sampler's packed copy of W (packed_linear.py) is the same
+tensor. Every trainer pass of a packed layer takes the packed kernel, with or without autograd, so
+``forward`` and ``forward_backward`` logprobs stay identical; sampling keeps its own choice.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from localtinker.engine.packed_linear import (
+    PACKED_ATTR,
+    TRAIN_PACKED_ATTR,
+    in_packed_sampling,
+    pack_weight,
+    packed_linear,
+    packing_available,
+)
+
+_CHOICES = "_localtinker_train_packing_choices"  # on the model: {(out, in): packed}, once decided
+_PROBE_ROWS = 128  # the unembedding (49152 × 576) costs ~0.1 s per product at this size
+_PROBE_MAX_OUT = 8192
+_PROBE_REPEATS = 3
+_MIN_GAIN = 0.05
+
+# Set to False to train through F.linear everywhere (A/B comparisons).
+ENABLED = True
+
+
+class _PackedLinear(torch.autograd.Function):
+    """x·Wᵀ + b through the packed W; the backward gives x's gradient through the packed Wᵀ (W is frozen)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, packed: torch.Tensor, packed_t: torch.Tensor, bias: torch.Tensor | None):
+        ctx.packed_t = packed_t
+        return packed_linear(x, packed, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return packed_linear(grad, ctx.packed_t), None, None, None
+
+
+def pack_for_training(model: torch.nn.Module, measure: bool = True) -> dict[tuple[int, int], bool]:
+    """Packs the frozen float32 linears (never a LoRA factor) of ``model`` whose shape oneDNN runs clearly
+    faster (see the module docstring), once per model; ``measure=False`` packs every one (tests).
+    Returns {(out, in): packed}."""
+    done = getattr(model, _CHOICES, None)
+    if done is not None:
+        return done
+    choices: dict[tuple[int, int], bool] = {}
+    if packing_available():
+        for name, module in model.named_modules():
+            if (not isinstance(module, torch.nn.Linear) or ".lora_" in f".{name}" or module.weight.requires_grad
+                    or module.weight.dtype != torch.float32):
+                continue
+            shape = tuple(module.weight.shape)
+            if shape not in choices:
+                choices[shape] = _packed_wins(module.weight) if measure else True
+            if choices[shape]:
+                weight = module.weight.detach()
+                sampler = getattr(module, PACKED_ATTR, None)  # the same packed W, when the sampler has one
+                packed = sampler if sampler is not None else pack_weight(weight)
+                setattr(module, TRAIN_PACKED_ATTR, (packed, pack_weight(weight.t().contiguous())))
+                inner = module.forward
+                module.forward = lambda x, _m=module, _inner=inner: _forward(_m, _inner, x)
+    setattr(model, _CHOICES, choices)
+    return choices
+
+
+def _forward(module: torch.nn.Linear, inner, x: torch.Tensor) -> torch.Tensor:
+    packed, packed_t = getattr(module, TRAIN_PACKED_ATTR)
+    if not ENABLED or in_packed_sampling() or x.dtype != torch.float32 or not x.numel():
+        return inner(x)
+    if torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad):
+        return _PackedLinear.apply(x, packed, packed_t, module.bias)
+    return packed_linear(x, packed, module.bias)
+
+
+def _packed_wins(weight: torch.Tensor) -> bool:
+    """Forward + input-gradient seconds of ``_PROBE_ROWS`` rows, F.linear vs packed, best of interleaved runs."""
+    weight = weight[:_PROBE_MAX_OUT]  # the unembedding's first rows: the same kernels, 1/6 of the probe's time
+    packed, packed_t = pack_weight(weight), pack_weight(weight.t().contiguous())
+    x = torch.randn(_PROBE_ROWS, weight.shape[1])
+    grad = torch.randn(_PROBE_ROWS, weight.shape[0])
+    plain_best = packed_best = float("inf")
+    with torch.inference_mode():
+        for repeat in range(_PROBE_REPEATS + 1):
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, weight)
+            torch.mm(grad, weight)
+            middle = time.perf_counter()
+            packed_linear(x, packed)
+            packed_linear(grad, packed_t)
+            end = time.perf_counter()
+            if repeat:  # the first round warms both up
+                plain_best, packed_best = min(plain_best, middle - start), min(packed_best, end - middle)
+    return packed_best < (1 - _MIN_GAIN) * plain_best
