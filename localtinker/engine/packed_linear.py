@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -77,7 +77,26 @@ def pack_frozen_linears(model: torch.nn.Module, measure: bool = True) -> dict[tu
     Done once per model (later calls return the first choices). ``measure=False`` packs every one
     (tests exercise the packed path that way on any CPU). Returns {(out, in): packed}.
     """
-    done = getattr(model, _CHOICES, None)
+
+    def install(module: torch.nn.Linear) -> None:
+        trainer = getattr(module, TRAIN_PACKED_ATTR, None)  # the same packed W, when the trainer has one
+        setattr(module, PACKED_ATTR, trainer[0] if trainer is not None else pack_weight(module.weight))
+        plain_forward = module.forward
+        module.forward = lambda x, _m=module, _plain=plain_forward: _forward(_m, _plain, x)
+
+    return pack_by_shape(model, _CHOICES, _packed_wins if measure else None, install)
+
+
+def pack_by_shape(
+    model: torch.nn.Module,
+    choices_attr: str,
+    wins: Callable[[torch.Tensor], bool] | None,
+    install: Callable[[torch.nn.Linear], None],
+) -> dict[tuple[int, int], bool]:
+    """Calls ``install`` on every frozen float32 linear of ``model`` (never a LoRA factor) whose weight shape
+    ``wins`` (timed once per shape; None = every shape) chooses; once per model, the choices kept in
+    ``choices_attr`` on it. Shared by the sampler's packing (here) and the trainer's (packed_training.py)."""
+    done = getattr(model, choices_attr, None)
     if done is not None:
         return done
     choices: dict[tuple[int, int], bool] = {}
@@ -88,14 +107,26 @@ def pack_frozen_linears(model: torch.nn.Module, measure: bool = True) -> dict[tu
                 continue
             shape = tuple(module.weight.shape)
             if shape not in choices:
-                choices[shape] = _packed_wins(module.weight) if measure else True
+                choices[shape] = wins(module.weight) if wins is not None else True
             if choices[shape]:
-                trainer = getattr(module, TRAIN_PACKED_ATTR, None)  # the same packed W, when the trainer has one
-                setattr(module, PACKED_ATTR, trainer[0] if trainer is not None else pack_weight(module.weight))
-                plain_forward = module.forward
-                module.forward = lambda x, _m=module, _plain=plain_forward: _forward(_m, _plain, x)
-    setattr(model, _CHOICES, choices)
+                install(module)
+    setattr(model, choices_attr, choices)
     return choices
+
+
+def best_interleaved_seconds(plain: Callable[[], object], packed: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """(plain, packed) best seconds of ``repeats`` interleaved rounds after one warm-up round, without autograd."""
+    plain_best = packed_best = float("inf")
+    with torch.inference_mode():
+        for repeat in range(repeats + 1):
+            start = time.perf_counter()
+            plain()
+            middle = time.perf_counter()
+            packed()
+            end = time.perf_counter()
+            if repeat:  # the first round warms both up
+                plain_best, packed_best = min(plain_best, middle - start), min(packed_best, end - middle)
+    return plain_best, packed_best
 
 
 def _forward(module: torch.nn.Linear, plain_forward, x: torch.Tensor) -> torch.Tensor:
@@ -113,14 +144,6 @@ def _packed_wins(weight: torch.Tensor) -> bool:
 def _seconds(weight: torch.Tensor, packed: torch.Tensor, rows: int) -> tuple[float, float]:
     """(F.linear, packed) best of a few interleaved timings on ``rows`` random rows."""
     x = torch.randn(rows, weight.shape[1])
-    plain_best = packed_best = float("inf")
-    with torch.inference_mode():
-        for repeat in range(_PROBE_REPEATS + 1):
-            start = time.perf_counter()
-            torch.nn.functional.linear(x, weight)
-            middle = time.perf_counter()
-            packed_linear(x, packed)
-            end = time.perf_counter()
-            if repeat:  # the first round warms both up
-                plain_best, packed_best = min(plain_best, middle - start), min(packed_best, end - middle)
-    return plain_best, packed_best
+    return best_interleaved_seconds(
+        lambda: torch.nn.functional.linear(x, weight), lambda: packed_linear(x, packed), _PROBE_REPEATS
+    )

@@ -16,17 +16,16 @@ tensor. Every trainer pass of a packed layer takes the packed kernel, with or wi
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from localtinker.engine.packed_linear import (
     PACKED_ATTR,
     TRAIN_PACKED_ATTR,
+    best_interleaved_seconds,
     in_packed_sampling,
+    pack_by_shape,
     pack_weight,
     packed_linear,
-    packing_available,
 )
 
 _CHOICES = "_localtinker_train_packing_choices"  # on the model: {(out, in): packed}, once decided
@@ -56,27 +55,16 @@ def pack_for_training(model: torch.nn.Module, measure: bool = True) -> dict[tupl
     """Packs the frozen float32 linears (never a LoRA factor) of ``model`` whose shape oneDNN runs clearly
     faster (see the module docstring), once per model; ``measure=False`` packs every one (tests).
     Returns {(out, in): packed}."""
-    done = getattr(model, _CHOICES, None)
-    if done is not None:
-        return done
-    choices: dict[tuple[int, int], bool] = {}
-    if packing_available():
-        for name, module in model.named_modules():
-            if (not isinstance(module, torch.nn.Linear) or ".lora_" in f".{name}" or module.weight.requires_grad
-                    or module.weight.dtype != torch.float32):
-                continue
-            shape = tuple(module.weight.shape)
-            if shape not in choices:
-                choices[shape] = _packed_wins(module.weight) if measure else True
-            if choices[shape]:
-                weight = module.weight.detach()
-                sampler = getattr(module, PACKED_ATTR, None)  # the same packed W, when the sampler has one
-                packed = sampler if sampler is not None else pack_weight(weight)
-                setattr(module, TRAIN_PACKED_ATTR, (packed, pack_weight(weight.t().contiguous())))
-                inner = module.forward
-                module.forward = lambda x, _m=module, _inner=inner: _forward(_m, _inner, x)
-    setattr(model, _CHOICES, choices)
-    return choices
+
+    def install(module: torch.nn.Linear) -> None:
+        weight = module.weight.detach()
+        sampler = getattr(module, PACKED_ATTR, None)  # the same packed W, when the sampler has one
+        packed = sampler if sampler is not None else pack_weight(weight)
+        setattr(module, TRAIN_PACKED_ATTR, (packed, pack_weight(weight.t().contiguous())))
+        inner = module.forward
+        module.forward = lambda x, _m=module, _inner=inner: _forward(_m, _inner, x)
+
+    return pack_by_shape(model, _CHOICES, _packed_wins if measure else None, install)
 
 
 def _forward(module: torch.nn.Linear, inner, x: torch.Tensor) -> torch.Tensor:
@@ -94,16 +82,14 @@ def _packed_wins(weight: torch.Tensor) -> bool:
     packed, packed_t = pack_weight(weight), pack_weight(weight.t().contiguous())
     x = torch.randn(_PROBE_ROWS, weight.shape[1])
     grad = torch.randn(_PROBE_ROWS, weight.shape[0])
-    plain_best = packed_best = float("inf")
-    with torch.inference_mode():
-        for repeat in range(_PROBE_REPEATS + 1):
-            start = time.perf_counter()
-            torch.nn.functional.linear(x, weight)
-            torch.mm(grad, weight)
-            middle = time.perf_counter()
-            packed_linear(x, packed)
-            packed_linear(grad, packed_t)
-            end = time.perf_counter()
-            if repeat:  # the first round warms both up
-                plain_best, packed_best = min(plain_best, middle - start), min(packed_best, end - middle)
+
+    def plain() -> None:
+        torch.nn.functional.linear(x, weight)
+        torch.mm(grad, weight)
+
+    def packed_pair() -> None:
+        packed_linear(x, packed)
+        packed_linear(grad, packed_t)
+
+    plain_best, packed_best = best_interleaved_seconds(plain, packed_pair, _PROBE_REPEATS)
     return packed_best < (1 - _MIN_GAIN) * plain_best
