@@ -27,7 +27,7 @@ import torch
 from localtinker.engine.api import DatumArrays, LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.packaged import SMOLLM2_NAME, smollm2_hf_dir
-from measure import Bf16Probe, FlopModel, headline_ratio, mm_peak_gflops, report
+from measure import Bf16Probe, FlopModel, Peaks, headline_ratio
 
 PROMPTS, NEW_TOKENS = 32, 16
 TOPICS = ["the sea", "a cat", "prime numbers", "Paris", "rain", "a robot", "tea", "autumn"]
@@ -143,10 +143,10 @@ def main() -> None:
                 start = time.perf_counter()
                 produced[name] += runner.run(prompt_tokens)
                 seconds[name] += time.perf_counter() - start
-        peak = mm_peak_gflops()
+        peaks = Peaks(probe)
         rates = {name: produced[name] / seconds[name] for name in runners}
         for name, rate in rates.items():
-            print(f"{name}: {rate:.1f} new tokens/s ({produced[name]} tokens); {report(flops * args.repeats, seconds[name], peak)}")
+            print(f"{name}: {rate:.1f} new tokens/s ({produced[name]} tokens); {peaks.report(name, flops * args.repeats, seconds[name])}")
         print(headline_ratio(rates, ">= 1.5"))
         for name in ("ours LocalEngine float32", "ours LocalEngine bfloat16"):
             mean_gap, max_gap = runners[name].agreement()

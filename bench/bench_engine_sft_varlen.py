@@ -30,7 +30,7 @@ from localtinker.engine.api import AdamSpec, DatumArrays, LoraSpec
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.lora import target_module_names
 from localtinker.engine.packaged import SMOLLM2_NAME, smollm2_hf_dir
-from measure import Bf16Probe, FlopModel, headline_ratio, mm_peak_gflops, report
+from measure import Bf16Probe, FlopModel, Peaks, headline_ratio
 
 BATCH, MICRO_BATCH, RANK = 16, 4, 16
 MIN_LENGTH, MAX_LENGTH = 20, 512
@@ -126,11 +126,11 @@ def main() -> None:
                 start = time.perf_counter()
                 runner.step(batch)
                 seconds[name] += time.perf_counter() - start
-    peak = mm_peak_gflops()
+    peaks = Peaks(probe)
     print(f"{real_tokens} real tokens in {args.steps} steps of {BATCH} rows")
     rates = {name: real_tokens / value for name, value in seconds.items()}
     for name, rate in rates.items():
-        print(f"{name}: {rate:.1f} real tokens/s; {report(flops, seconds[name], peak)}")
+        print(f"{name}: {rate:.1f} real tokens/s; {peaks.report(name, flops, seconds[name])}")
     print(f"baseline computes {baseline_runner.computed_tokens / real_tokens - 1:.0%} padding on top of the real tokens")
     print(headline_ratio(rates, ">= 1.5"))
 

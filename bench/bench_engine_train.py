@@ -29,7 +29,7 @@ from localtinker.engine.api import AdamSpec, DatumArrays, LoraSpec
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.lora import target_module_names
 from localtinker.engine.packaged import SMOLLM2_NAME, smollm2_hf_dir
-from measure import Bf16Probe, FlopModel, headline_ratio, mm_peak_gflops, report
+from measure import Bf16Probe, FlopModel, Peaks, headline_ratio
 
 BATCH, LENGTH, RANK = 8, 128, 16
 
@@ -113,12 +113,12 @@ def main() -> None:
         for step in range(args.steps):
             for name, runner in runners.items():
                 seconds[name] += timed(runner.step, make_batch(step + 1))
-    peak = mm_peak_gflops()
+    peaks = Peaks(probe)
     tokens = args.steps * BATCH * LENGTH
     flops = args.steps * BATCH * 2 * flop_model.forward(LENGTH, flop_model.causal_keys(LENGTH))
     rates = {name: tokens / value for name, value in seconds.items()}
     for name, rate in rates.items():
-        print(f"{name}: {rate:.1f} tokens/s; {report(flops, seconds[name], peak)}")
+        print(f"{name}: {rate:.1f} tokens/s; {peaks.report(name, flops, seconds[name])}")
     print(headline_ratio(rates, ">= 1.2"))
 
 

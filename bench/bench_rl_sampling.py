@@ -29,7 +29,7 @@ from tinker import types
 
 from localtinker.engine.packaged import SMOLLM2_NAME, smollm2_hf_dir
 from localtinker.server import start_server
-from measure import Bf16Probe, FlopModel, mm_peak_gflops, report
+from measure import Bf16Probe, FlopModel, Peaks
 
 PROMPTS, SAMPLES, NEW_TOKENS = 64, 8, 16
 PARAMS = types.SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, stop=[])
@@ -115,7 +115,7 @@ def main() -> None:
             "baseline (b): generate float32": lambda: generate(model, tokenizer.pad_token_id, prompt_tokens, False),
             "baseline (b): generate bf16 autocast": lambda: generate(model, tokenizer.pad_token_id, prompt_tokens, True),
         })
-        peak = mm_peak_gflops()
+        peaks = Peaks(probe)
         flops = useful_flops(flop_model, prompt_tokens)
         rates = {}
         for name, run in sides.items():
@@ -124,7 +124,8 @@ def main() -> None:
             seconds = time.perf_counter() - start
             rates[name] = produced / seconds
             print(f"{name}: {produced / NEW_TOKENS / seconds:.1f} samples/s, {rates[name]:.1f} new tokens/s; "
-                  f"{report(flops, seconds, peak)}", flush=True)
+                  f"{peaks.report(name if name.startswith('baseline (b)') else f'{name} {dtype}', flops, seconds)}",
+                  flush=True)
         client.close("success").result()
     ours = rates[f"ours: SDK, {args.prompts} requests at once"]
     one_at_a_time = rates["baseline (a): SDK, one request at a time"]

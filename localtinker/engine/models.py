@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from localtinker.engine.api import EngineUserError, UnknownModelError
+from localtinker.engine.bf16_head import use_bf16_head
 from localtinker.engine.bf16_matmul import bf16_matmul_is_fast
 from localtinker.engine.float32_attention import use_float32_attention
 from localtinker.engine.hub_cache import register_tokenizer
@@ -114,11 +115,13 @@ def load_base_model(name: str, dtype: str) -> BaseModel:
     if source != name:
         register_tokenizer(name, Path(source))
     if DTYPES[dtype] != torch.float32:
-        _use_float32_head(model)
         if not bf16_matmul_is_fast():
+            _use_float32_head(model)
             _compute_linears_in_float32(model)
-        elif getattr(model.config, "_attn_implementation", None) == "sdpa":
-            use_float32_attention(model)
+        else:
+            use_bf16_head(model)
+            if getattr(model.config, "_attn_implementation", None) == "sdpa":
+                use_float32_attention(model)
     model.eval()
     model.requires_grad_(False)
     config = model.config
@@ -153,7 +156,8 @@ def _compute_linears_in_float32(model: torch.nn.Module) -> None:
 
 
 class Float32Head(torch.nn.Linear):
-    """The unembedding computed in float32 from (already rounded) low-precision hidden states.
+    """The unembedding computed in float32 from (already rounded) low-precision hidden states, where
+    bf16 matmuls are not faster (with fast ones: bf16_head.py).
 
     bf16 logits are quantised to ~0.06 at typical magnitudes, which alone would make sampler and trainer
     logprobs disagree by tenths; a float32 head costs one extra vocab × hidden copy. Still an ``nn.Linear``, so peft can put LoRA on it.

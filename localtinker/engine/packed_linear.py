@@ -1,4 +1,4 @@
-"""Frozen float32 linear layers through oneDNN with their weights packed once, for sampling.
+"""Frozen linear layers through oneDNN with their weights packed once, for sampling.
 
 ``F.linear`` hands every call to an sgemm that re-packs the weight matrix into its blocked layout each
 time; with the few rows of a decode step that packing is most of the call. Measured on a 2-core AVX2
@@ -19,6 +19,10 @@ only without autograd: the packed kernel sums in another order (logits differ fr
 ~1e-5) and has no backward of its own; the trainer makes its own measured choice with a backward
 (packed_training.py), and where both pack a layer they share the packed W.
 Costs one extra copy of each packed weight (the unembedding's is 113 MB on SmolLM2-135M).
+
+bf16 weights of a model that computes in bf16 (bf16_matmul.py) are probed and packed the same way: on
+an AVX512-BF16 EPYC (2026-11-24, one thread) the packed bf16 kernel ran SmolLM2's projections 1.5–1.8×
+faster with one row, 1.15× with 32, and was a near-tie from 128 rows on (bench notes in the engine README).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+
+from localtinker.engine.bf16_matmul import bf16_matmul_is_fast
 
 _PROBE_ROWS = (32, 128)  # a decode step, a prefill
 _PROBE_REPEATS = 3  # after one warm-up round; SmolLM2's shapes take ~2.5 s in all, once per process
@@ -41,8 +47,11 @@ _CHOICES = "_localtinker_packing_choices"  # on the model: {(out, in): packed}, 
 _state = threading.local()
 
 
-def packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build (and, for bf16, this CPU: oneDNN's bf16 kernels need AVX-512) packs ``dtype``."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 def in_packed_sampling() -> bool:
@@ -71,8 +80,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def pack_frozen_linears(model: torch.nn.Module, measure: bool = True) -> dict[tuple[int, int], bool]:
-    """Packs the frozen float32 linears of the base model (never a LoRA factor, whose weights change)
-    whose shape the packed kernel runs clearly faster, and routes their forward through :func:`_forward`.
+    """Packs the frozen float32 linears of the base model (never a LoRA factor, whose weights change), and
+    its bf16 ones where bf16 matmuls are native, whose shape the packed kernel runs clearly faster, and
+    routes their forward through :func:`_forward`.
 
     Done once per model (later calls return the first choices). ``measure=False`` packs every one
     (tests exercise the packed path that way on any CPU). Returns {(out, in): packed}.
@@ -84,7 +94,9 @@ def pack_frozen_linears(model: torch.nn.Module, measure: bool = True) -> dict[tu
         plain_forward = module.forward
         module.forward = lambda x, _m=module, _plain=plain_forward: _forward(_m, _plain, x)
 
-    return pack_by_shape(model, _CHOICES, _packed_wins if measure else None, install)
+    bf16 = bf16_matmul_is_fast() and packing_available(torch.bfloat16)
+    dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+    return pack_by_shape(model, _CHOICES, _packed_wins if measure else None, install, dtypes)
 
 
 def pack_by_shape(
@@ -92,10 +104,12 @@ def pack_by_shape(
     choices_attr: str,
     wins: Callable[[torch.Tensor], bool] | None,
     install: Callable[[torch.nn.Linear], None],
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,),
 ) -> dict[tuple[int, int], bool]:
-    """Calls ``install`` on every frozen float32 linear of ``model`` (never a LoRA factor) whose weight shape
-    ``wins`` (timed once per shape; None = every shape) chooses; once per model, the choices kept in
-    ``choices_attr`` on it. Shared by the sampler's packing (here) and the trainer's (packed_training.py)."""
+    """Calls ``install`` on every frozen linear of ``model`` with weights in one of ``dtypes`` (never a LoRA
+    factor) whose weight shape ``wins`` (timed once per shape; None = every shape) chooses; once per model,
+    the choices kept in ``choices_attr`` on it. Shared by the sampler's packing (here) and the trainer's
+    (packed_training.py). A model's frozen linears of one shape share one dtype, so shape is the key."""
     done = getattr(model, choices_attr, None)
     if done is not None:
         return done
@@ -103,7 +117,7 @@ def pack_by_shape(
     if packing_available():
         for name, module in model.named_modules():
             if (not isinstance(module, torch.nn.Linear) or ".lora_" in f".{name}" or module.weight.requires_grad
-                    or module.weight.dtype != torch.float32):
+                    or module.weight.dtype not in dtypes or getattr(module, "packs_itself", False)):
                 continue
             shape = tuple(module.weight.shape)
             if shape not in choices:
@@ -130,7 +144,7 @@ def best_interleaved_seconds(plain: Callable[[], object], packed: Callable[[], o
 
 
 def _forward(module: torch.nn.Linear, plain_forward, x: torch.Tensor) -> torch.Tensor:
-    if in_packed_sampling() and not torch.is_grad_enabled() and x.dtype == torch.float32 and x.numel():
+    if in_packed_sampling() and not torch.is_grad_enabled() and x.dtype == module.weight.dtype and x.numel():
         return packed_linear(x, getattr(module, PACKED_ATTR), module.bias)
     return plain_forward(x)
 
@@ -143,7 +157,7 @@ def _packed_wins(weight: torch.Tensor) -> bool:
 
 def _seconds(weight: torch.Tensor, packed: torch.Tensor, rows: int) -> tuple[float, float]:
     """(F.linear, packed) best of a few interleaved timings on ``rows`` random rows."""
-    x = torch.randn(rows, weight.shape[1])
+    x = torch.randn(rows, weight.shape[1]).to(weight.dtype)
     return best_interleaved_seconds(
         lambda: torch.nn.functional.linear(x, weight), lambda: packed_linear(x, packed), _PROBE_REPEATS
     )

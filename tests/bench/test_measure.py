@@ -65,3 +65,17 @@ def test_the_headline_compares_ours_in_the_faster_baselines_precision() -> None:
     float32_only = {"baseline loop float32": 100.0, "ours LocalEngine float32": 130.0}
     assert measure.headline_ratio(float32_only, ">= 1.2") == (
         "ratio = ours LocalEngine float32 / faster baseline (baseline loop float32) = 1.30 (goal >= 1.2)")
+
+
+def test_each_runner_is_reported_against_the_peak_of_its_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    from localtinker.engine import bf16_matmul
+
+    monkeypatch.setattr(bf16_matmul, "bf16_matmul_is_fast", lambda: True)
+    peaks = measure.Peaks(probe(monkeypatch, float32=100.0, bf16=200.0))
+    assert "50% of the float32 torch.mm peak (100.0" in peaks.report("ours LocalEngine float32", 50e9, 1.0)
+    assert "25% of the bf16-autocast torch.mm peak (200.0" in peaks.report("ours LocalEngine bfloat16", 50e9, 1.0)
+    assert "bf16-autocast torch.mm peak" in peaks.report("baseline bf16 autocast", 50e9, 1.0)
+    monkeypatch.setattr(bf16_matmul, "bf16_matmul_is_fast", lambda: False)  # our bf16 mode multiplies in float32
+    assert "float32 torch.mm peak" in peaks.report("ours LocalEngine bfloat16", 50e9, 1.0)
+    emulated = measure.Peaks(probe(monkeypatch, float32=100.0, bf16=1.0))  # no bf16 baselines: no bf16 peak
+    assert emulated.bf16 is None and "float32 torch.mm peak" in emulated.report("baseline bf16 autocast", 50e9, 1.0)

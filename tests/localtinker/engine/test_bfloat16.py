@@ -1,4 +1,4 @@
-"""bfloat16 mode: bf16 base weights, float32 LoRA/optimizer/head, and sampler-trainer agreement.
+"""bfloat16 mode: bf16 base weights, float32 LoRA/optimizer/head master, and sampler-trainer agreement.
 
 Every case runs twice: matmuls in float32 (CPUs where bf16 is not faster) and in bf16 (where it is),
 whichever this machine would pick, so both paths are tested on every machine.
@@ -12,6 +12,7 @@ import torch
 
 from localtinker.engine.api import AdamSpec, DatumArrays, LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
+from localtinker.engine.bf16_head import Bf16Head
 from localtinker.engine.bf16_matmul import ENV_CHOICE, bf16_matmul_is_fast
 from localtinker.engine.float32_attention import NAME as FLOAT32_ATTENTION
 from tests.localtinker.engine.reference import TINY, sft_datum
@@ -38,7 +39,9 @@ def test_bf16_storage_with_float32_trainable_state(bf16_engine):
     native = bf16_matmul_is_fast()
     assert up_proj(hidden).dtype == (torch.bfloat16 if native else torch.float32)
     assert base.config._attn_implementation == (FLOAT32_ATTENTION if native else "sdpa")
-    assert base.get_output_embeddings().base_layer.weight.dtype == torch.float32
+    head = base.get_output_embeddings().base_layer
+    assert head.weight.dtype == torch.float32  # the master copy; bf16 compute adds bf16 copies (bf16_head.py)
+    assert isinstance(head, Bf16Head) == native
     assert all(w.dtype == torch.float32 for w in bf16_engine.lora_weights("bf16:train:0").values())
     rng = np.random.default_rng(0)
     for _ in range(2):

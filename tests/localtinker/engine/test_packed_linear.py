@@ -90,3 +90,28 @@ def test_measured_choice_packs_nothing_when_the_kernel_never_wins(monkeypatch):
     choices = packed_linear.pack_frozen_linears(model)
     assert choices and not any(choices.values())
     assert not [path for path, module in model.named_modules() if _packed(module) is not None]
+
+
+@pytest.mark.skipif(not packed_linear.packing_available(torch.bfloat16), reason="oneDNN has no bf16 kernels on this CPU")
+def test_bf16_weights_are_packed_where_bf16_computes_natively(monkeypatch):
+    from localtinker.engine.bf16_matmul import ENV_CHOICE, bf16_matmul_is_fast
+
+    monkeypatch.setenv(ENV_CHOICE, "bfloat16")
+    bf16_matmul_is_fast.cache_clear()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tiny_random_dir(), dtype=torch.bfloat16).eval()
+        model.requires_grad_(False)
+        tokens = torch.randint(0, model.config.vocab_size, (5, 8))
+        with torch.inference_mode():
+            expected = model(input_ids=tokens).logits
+            choices = packed_linear.pack_frozen_linears(model, measure=False)
+            with packed_linear.packed_sampling():
+                together = model(input_ids=tokens).logits
+                alone = torch.cat([model(input_ids=tokens[i : i + 1]).logits for i in range(len(tokens))])
+    finally:
+        bf16_matmul_is_fast.cache_clear()
+    up_proj = model.get_decoder().layers[0].mlp.up_proj
+    assert choices and all(choices.values()) and _packed(up_proj) is not None
+    assert together.dtype == torch.bfloat16
+    torch.testing.assert_close(together.float(), expected.float(), rtol=0.02, atol=0.05)  # bf16 rounding
+    assert torch.equal(alone, together)
