@@ -49,6 +49,7 @@ from localtinker.engine.models import DTYPES, TINY_RANDOM_NAME, BaseModel, load_
 from localtinker.engine.optimizer import AdamState, adamw_step, validate_adam
 from localtinker.engine.packaged import SMOLLM2_NAME
 from localtinker.engine.packed_training import pack_for_training
+from localtinker.engine.bf16_matmul import bf16_matmul_is_fast
 from localtinker.engine.prefix_sharing import token_rows
 from localtinker.engine.retained_forward import LogprobBatch, RetainedForward, forward_tracking
 from localtinker.engine.sample_stream import SampleStream, SamplingTarget
@@ -144,7 +145,7 @@ class LocalEngine:
                 raise EngineUserError(f"model_id {model_id!r} must be non-empty and contain no '/'.")
             validate_lora_spec(lora)
             host = self._host(base_model)
-            if self.dtype == "float32":
+            if self.dtype == "float32" or bf16_matmul_is_fast():  # weights that compute in their own dtype
                 pack_for_training(host.base.model)  # once per base model (packed_training.py)
             adapter = host.adapters.add_adapter(lora, lora.seed)
             self._models[model_id] = _TrainingModel(

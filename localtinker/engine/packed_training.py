@@ -1,4 +1,4 @@
-"""The trainer's frozen float32 linears through oneDNN with packed weights, forward and input gradient.
+"""The trainer's frozen linears through oneDNN with packed weights, forward and input gradient.
 
 ``F.linear`` runs on the BLAS torch ships (MKL), which on some CPUs leaves speed on the table: on an
 AVX512-BF16 EPYC (Zen 4, 2026-11-24, one thread, 512 rows) MKL ran SmolLM2's layer shapes at 77–100
@@ -12,12 +12,18 @@ forward and Wᵀ for the backward (its weight gradient is never needed): +2 × 4
 on SmolLM2-135M if every shape is chosen; the sampler's packed copy of W (packed_linear.py) is the same
 tensor. Every trainer pass of a packed layer takes the packed kernel, with or without autograd, so
 ``forward`` and ``forward_backward`` logprobs stay identical; sampling keeps its own choice.
+
+Where bf16 is native (bf16_matmul.py) the bf16 weights of a ``dtype="bfloat16"`` model are probed and
+packed the same way, in bf16. There the gain is small: oneDNN's packed bf16 kernel is 3–6% faster at
+512 rows, and an A/B of the 8×128 SmolLM2 step measured 4.43–4.50 s packed against 4.47–4.70 s plain
+(2026-11-24, AVX512-BF16 EPYC, one thread).
 """
 
 from __future__ import annotations
 
 import torch
 
+from localtinker.engine.bf16_matmul import bf16_matmul_is_fast
 from localtinker.engine.packed_linear import (
     PACKED_ATTR,
     TRAIN_PACKED_ATTR,
@@ -26,6 +32,7 @@ from localtinker.engine.packed_linear import (
     pack_by_shape,
     pack_weight,
     packed_linear,
+    packing_available,
 )
 
 _CHOICES = "_localtinker_train_packing_choices"  # on the model: {(out, in): packed}, once decided
@@ -64,12 +71,14 @@ def pack_for_training(model: torch.nn.Module, measure: bool = True) -> dict[tupl
         inner = module.forward
         module.forward = lambda x, _m=module, _inner=inner: _forward(_m, _inner, x)
 
-    return pack_by_shape(model, _CHOICES, _packed_wins if measure else None, install)
+    bf16 = bf16_matmul_is_fast() and packing_available(torch.bfloat16)
+    dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+    return pack_by_shape(model, _CHOICES, _packed_wins if measure else None, install, dtypes)
 
 
 def _forward(module: torch.nn.Linear, inner, x: torch.Tensor) -> torch.Tensor:
     packed, packed_t = getattr(module, TRAIN_PACKED_ATTR)
-    if not ENABLED or in_packed_sampling() or x.dtype != torch.float32 or not x.numel():
+    if not ENABLED or in_packed_sampling() or x.dtype != module.weight.dtype or not x.numel():
         return inner(x)
     if torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad):
         return _PackedLinear.apply(x, packed, packed_t, module.bias)
@@ -80,8 +89,8 @@ def _packed_wins(weight: torch.Tensor) -> bool:
     """Forward + input-gradient seconds of ``_PROBE_ROWS`` rows, F.linear vs packed, best of interleaved runs."""
     weight = weight[:_PROBE_MAX_OUT]  # the unembedding's first rows: the same kernels, 1/6 of the probe's time
     packed, packed_t = pack_weight(weight), pack_weight(weight.t().contiguous())
-    x = torch.randn(_PROBE_ROWS, weight.shape[1])
-    grad = torch.randn(_PROBE_ROWS, weight.shape[0])
+    x = torch.randn(_PROBE_ROWS, weight.shape[1]).to(weight.dtype)
+    grad = torch.randn(_PROBE_ROWS, weight.shape[0]).to(weight.dtype)
 
     def plain() -> None:
         torch.nn.functional.linear(x, weight)

@@ -68,3 +68,28 @@ def test_the_sampler_reuses_the_trainers_packed_weight(tmp_path):
     pack_frozen_linears(model, measure=False)
     head = model.get_output_embeddings().base_layer
     assert getattr(head, PACKED_ATTR) is getattr(head, packed_training.TRAIN_PACKED_ATTR)[0]
+
+
+@pytest.mark.skipif(not packing_available(torch.bfloat16), reason="oneDNN has no bf16 kernels on this CPU")
+def test_bf16_weights_pack_where_bf16_computes_natively(tmp_path, monkeypatch):
+    from localtinker.engine.bf16_matmul import ENV_CHOICE, bf16_matmul_is_fast
+
+    monkeypatch.setenv(ENV_CHOICE, "bfloat16")
+    bf16_matmul_is_fast.cache_clear()
+    try:
+        engine = LocalEngine(tmp_path, dtype="bfloat16")
+        model = engine._host(TINY).base.model  # noqa: SLF001
+        assert all(packed_training.pack_for_training(model, measure=False).values())
+        engine.create_model("packed:0", TINY, LoraSpec(rank=4, seed=0))
+        up_proj = model.get_decoder().layers[0].mlp.up_proj
+        assert up_proj.base_layer.weight.dtype == torch.bfloat16
+        assert getattr(up_proj.base_layer, "_localtinker_train_packed", None) is not None
+        data = [sft_datum(np.random.default_rng(2), 12, vocab=model.config.vocab_size)]
+        forward = engine.forward_backward("packed:0", data, "cross_entropy", None, True)
+        packed, packed_grads = _step(engine, data, monkeypatch, enabled=True)
+        plain, _ = _step(engine, data, monkeypatch, enabled=False)
+    finally:
+        bf16_matmul_is_fast.cache_clear()
+    np.testing.assert_array_equal(forward.loss_fn_outputs[0]["logprobs"], packed.loss_fn_outputs[0]["logprobs"])
+    assert packed.metrics["loss:sum"] == pytest.approx(plain.metrics["loss:sum"], rel=1e-2)  # bf16 rounding
+    assert all(grad.dtype == torch.float32 and torch.isfinite(grad).all() for grad in packed_grads.values())
