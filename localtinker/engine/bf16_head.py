@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 
-from localtinker.engine.packed_linear import best_interleaved_seconds, pack_weight, packed_linear, packing_available
+from localtinker.engine.packed_linear import (
+    PackedFrozenLinear,
+    best_interleaved_seconds,
+    pack_weight,
+    packed_linear,
+    packing_available,
+)
 
 # Per row, this many of the largest bf16 logits are recomputed in float32. On SmolLM2 the top 32 tokens
 # hold nearly all the probability mass of a chat continuation, and the recomputation is cheap next to
@@ -61,21 +67,8 @@ class Bf16Head(torch.nn.Linear):
             return torch.nn.functional.linear(rows, self._bf16_weight, self._bf16_bias)
         packed, packed_t = self._packed
         if torch.is_grad_enabled() and rows.requires_grad:
-            return _PackedFrozenLinear.apply(rows, packed, packed_t, self._bf16_bias)
+            return PackedFrozenLinear.apply(rows, packed, packed_t, self._bf16_bias)
         return packed_linear(rows, packed, self._bf16_bias)
-
-
-class _PackedFrozenLinear(torch.autograd.Function):
-    """x·Wᵀ + b through the packed W; the backward gives x's gradient through the packed Wᵀ (W is frozen)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, packed: torch.Tensor, packed_t: torch.Tensor, bias: torch.Tensor | None):
-        ctx.packed_t = packed_t
-        return packed_linear(x, packed, bias)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return packed_linear(grad.contiguous(), ctx.packed_t), None, None, None
 
 
 def use_bf16_head(model: torch.nn.Module) -> None:

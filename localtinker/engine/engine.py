@@ -39,6 +39,7 @@ from localtinker.engine.api import (
     SampleSpec,
     UnknownModelError,
 )
+from localtinker.engine.bf16_matmul import bf16_matmul_is_fast
 from localtinker.engine.checkpoints import CheckpointStore, parse_tinker_path
 from localtinker.engine.datums import PreparedDatum, prepare_datums
 from localtinker.engine.heap import keep_freed_memory
@@ -49,7 +50,6 @@ from localtinker.engine.models import DTYPES, TINY_RANDOM_NAME, BaseModel, load_
 from localtinker.engine.optimizer import AdamState, adamw_step, validate_adam
 from localtinker.engine.packaged import SMOLLM2_NAME
 from localtinker.engine.packed_training import pack_for_training
-from localtinker.engine.bf16_matmul import bf16_matmul_is_fast
 from localtinker.engine.prefix_sharing import token_rows
 from localtinker.engine.retained_forward import LogprobBatch, RetainedForward, forward_tracking
 from localtinker.engine.sample_stream import SampleStream, SamplingTarget

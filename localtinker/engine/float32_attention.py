@@ -45,10 +45,6 @@ def use_float32_attention(model: torch.nn.Module) -> None:
     model.set_attn_implementation(NAME)
 
 
-def uses_float32_attention(model: torch.nn.Module) -> bool:
-    return getattr(model.config, "_attn_implementation", None) == NAME
-
-
 def _is_plain_decode(query: torch.Tensor, attention_mask: Any, kwargs: dict[str, Any]) -> bool:
     """One query token per row, no autograd, no mask or a boolean one, and none of the options that change
     the attention (``_CHANGING``): a sampler's decode step."""

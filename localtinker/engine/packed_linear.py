@@ -79,6 +79,21 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
+class PackedFrozenLinear(torch.autograd.Function):
+    """x·Wᵀ + b through a packed W; the backward gives x's gradient through the packed Wᵀ (W is frozen, so
+    it has no gradient of its own). The trainer's packed layers (packed_training.py) and the bf16
+    unembedding (bf16_head.py) both run through it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, packed: torch.Tensor, packed_t: torch.Tensor, bias: torch.Tensor | None):
+        ctx.packed_t = packed_t
+        return packed_linear(x, packed, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return packed_linear(grad, ctx.packed_t), None, None, None
+
+
 def pack_frozen_linears(model: torch.nn.Module, measure: bool = True) -> dict[tuple[int, int], bool]:
     """Packs the frozen float32 linears of the base model (never a LoRA factor, whose weights change), and
     its bf16 ones where bf16 matmuls are native, whose shape the packed kernel runs clearly faster, and

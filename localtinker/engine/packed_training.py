@@ -27,6 +27,7 @@ from localtinker.engine.bf16_matmul import bf16_matmul_is_fast
 from localtinker.engine.packed_linear import (
     PACKED_ATTR,
     TRAIN_PACKED_ATTR,
+    PackedFrozenLinear,
     best_interleaved_seconds,
     in_packed_sampling,
     pack_by_shape,
@@ -43,19 +44,6 @@ _MIN_GAIN = 0.05
 
 # Set to False to train through F.linear everywhere (A/B comparisons).
 ENABLED = True
-
-
-class _PackedLinear(torch.autograd.Function):
-    """x·Wᵀ + b through the packed W; the backward gives x's gradient through the packed Wᵀ (W is frozen)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, packed: torch.Tensor, packed_t: torch.Tensor, bias: torch.Tensor | None):
-        ctx.packed_t = packed_t
-        return packed_linear(x, packed, bias)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return packed_linear(grad, ctx.packed_t), None, None, None
 
 
 def pack_for_training(model: torch.nn.Module, measure: bool = True) -> dict[tuple[int, int], bool]:
@@ -81,7 +69,7 @@ def _forward(module: torch.nn.Linear, inner, x: torch.Tensor) -> torch.Tensor:
     if not ENABLED or in_packed_sampling() or x.dtype != module.weight.dtype or not x.numel():
         return inner(x)
     if torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad):
-        return _PackedLinear.apply(x, packed, packed_t, module.bias)
+        return PackedFrozenLinear.apply(x, packed, packed_t, module.bias)
     return packed_linear(x, packed, module.bias)
 
 
