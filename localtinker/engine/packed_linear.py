@@ -109,9 +109,16 @@ def pack_frozen_linears(model: torch.nn.Module, measure: bool = True) -> dict[tu
         plain_forward = module.forward
         module.forward = lambda x, _m=module, _plain=plain_forward: _forward(_m, _plain, x)
 
-    bf16 = bf16_matmul_is_fast() and packing_available(torch.bfloat16)
-    dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
-    return pack_by_shape(model, _CHOICES, _packed_wins if measure else None, install, dtypes)
+    return pack_by_shape(model, _CHOICES, _packed_wins if measure else None, install, packable_dtypes(model))
+
+
+def packable_dtypes(model: torch.nn.Module) -> tuple[torch.dtype, ...]:
+    """float32, and bf16 where ``model`` holds bf16 linears that compute in bf16 (bf16_matmul.py) and oneDNN
+    has bf16 kernels. A float32 model never triggers the bf16 measurement (slow where bf16 is emulated)."""
+    has_bf16 = any(isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.bfloat16 for m in model.modules())
+    if has_bf16 and packing_available(torch.bfloat16) and bf16_matmul_is_fast():
+        return (torch.float32, torch.bfloat16)
+    return (torch.float32,)
 
 
 def pack_by_shape(

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from localtinker.engine.bf16_matmul import bf16_matmul_is_fast
 from localtinker.engine.packed_linear import (
     PACKED_ATTR,
     TRAIN_PACKED_ATTR,
@@ -32,8 +31,8 @@ from localtinker.engine.packed_linear import (
     in_packed_sampling,
     pack_by_shape,
     pack_weight,
+    packable_dtypes,
     packed_linear,
-    packing_available,
 )
 
 _CHOICES = "_localtinker_train_packing_choices"  # on the model: {(out, in): packed}, once decided
@@ -59,9 +58,7 @@ def pack_for_training(model: torch.nn.Module, measure: bool = True) -> dict[tupl
         inner = module.forward
         module.forward = lambda x, _m=module, _inner=inner: _forward(_m, _inner, x)
 
-    bf16 = bf16_matmul_is_fast() and packing_available(torch.bfloat16)
-    dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
-    return pack_by_shape(model, _CHOICES, _packed_wins if measure else None, install, dtypes)
+    return pack_by_shape(model, _CHOICES, _packed_wins if measure else None, install, packable_dtypes(model))
 
 
 def _forward(module: torch.nn.Linear, inner, x: torch.Tensor) -> torch.Tensor:

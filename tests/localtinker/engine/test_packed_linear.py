@@ -115,3 +115,12 @@ def test_bf16_weights_are_packed_where_bf16_computes_natively(monkeypatch):
     assert together.dtype == torch.bfloat16
     torch.testing.assert_close(together.float(), expected.float(), rtol=0.02, atol=0.05)  # bf16 rounding
     assert torch.equal(alone, together)
+
+
+def test_a_float32_model_never_measures_bf16(monkeypatch):
+    def measured() -> bool:
+        raise AssertionError("a float32 model must not run the bf16 measurement (slow where bf16 is emulated)")
+
+    monkeypatch.setattr(packed_linear, "bf16_matmul_is_fast", measured)
+    assert packed_linear.packable_dtypes(_frozen_tiny_model()) == (torch.float32,)
+    assert packed_linear.pack_frozen_linears(_frozen_tiny_model(), measure=False)
