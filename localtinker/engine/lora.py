@@ -94,6 +94,8 @@ class AdapterHost:
     def delete_adapter(self, name: str) -> None:
         if self._peft is not None and name in self._peft.peft_config:
             unmerge(self.model, name)  # its merged sampling copies, if any
+            for module in self.model.modules():
+                module.__dict__.get(_CAST, {}).pop(name, None)  # and its rounded factors
             if len(self._peft.peft_config) == 1:
                 # peft refuses to delete the last adapter; leave it (it is never activated again).
                 return
@@ -197,9 +199,34 @@ def fused_lora_forward(
     # model takes its bf16 input in float32. Casts of the rank-r factors are negligible; autograd
     # carries the gradients back to the float32 parameters through them.
     compute = base.dtype
-    scaled_b = lora_b * layer.scaling[name]
+    if compute != lora_a.dtype and not torch.is_grad_enabled():
+        factor_a, scaled_b_t = _cast_factors(layer, name, compute)
+    else:
+        factor_a, scaled_b_t = lora_a.to(compute), (lora_b * layer.scaling[name]).to(compute).t()
     # In place on the 2-D base output: a fresh tensor nothing else holds (its backward needs x and the
     # weight, not it), so no new [tokens × out] buffer and copy. Not through a view of a 3-D output:
     # autograd would then copy the whole gradient back (CopySlices) in the backward.
-    base.addmm_(torch.nn.functional.linear(rows.to(compute), lora_a.to(compute)), scaled_b.to(compute).t())
+    base.addmm_(torch.nn.functional.linear(rows.to(compute), factor_a), scaled_b_t)
     return base.view(*x.shape[:-1], base.shape[-1])
+
+
+_CAST = "_localtinker_cast_factors"  # on a peft LoRA linear: {adapter: (key, A, (s·B)ᵀ) in the compute dtype}
+
+
+def _cast_factors(layer: Any, name: str, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and (s·B)ᵀ of adapter ``name`` rounded to ``compute``, kept until the factors change.
+
+    Without autograd (sampling, forward-only passes) the same rounded factors serve every call: in a bf16
+    decode step of 64 rows the per-call scaling and casts made an unmerged LoRA sampler ~1.5× slower than
+    the bare model (1.7 vs 2.65 s for 16 prompts × 4 samples, 2 threads). The key holds each factor's
+    storage and version counter, which every in-place update (the optimizer, a checkpoint load) bumps.
+    """
+    lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
+    scaling = layer.scaling[name]
+    key = (lora_a.data_ptr(), lora_a._version, lora_b.data_ptr(), lora_b._version, scaling, compute)
+    cached = layer.__dict__.setdefault(_CAST, {}).get(name)
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, lora_a.to(compute), (lora_b * scaling).to(compute).t())
+        layer.__dict__[_CAST][name] = cached
+    return cached[1], cached[2]

@@ -90,3 +90,36 @@ def test_fused_forward_under_bf16_autocast_matches_peft_and_runs_each_base_layer
         # must reuse that output, not fall back to peft's forward (which would run the base again).
         assert len(base_calls) == len(lora_layers)
     torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=0.05)
+
+
+def test_bf16_factors_are_cast_once_without_autograd_and_recast_after_an_update():
+    model = AutoModelForCausalLM.from_pretrained(tiny_random_dir(), dtype=torch.bfloat16).eval()
+    model.requires_grad_(False)
+    host = lora.AdapterHost(model)
+    name = host.add_adapter(LoraSpec(rank=4, train_attn=True, train_mlp=True, train_unembed=False), seed=0)
+    params = host.parameters(name)
+    with torch.no_grad():
+        for key, param in params.items():
+            if "lora_B" in key:
+                param.normal_(0, 0.05)
+    tokens = torch.randint(0, 200, (2, 7), generator=torch.Generator().manual_seed(4))
+
+    def logits(grad: bool) -> torch.Tensor:
+        with torch.set_grad_enabled(grad), host.activated(name):
+            return host.model(input_ids=tokens).logits.detach().float()
+
+    cached = logits(grad=False)
+    layer = model.get_decoder().layers[0].mlp.up_proj
+    assert layer.__dict__[lora._CAST]  # the no-grad pass kept its rounded factors
+    first_factors = layer.__dict__[lora._CAST][name][1]
+    assert torch.equal(logits(grad=False), cached) and layer.__dict__[lora._CAST][name][1] is first_factors
+    assert torch.equal(logits(grad=True), cached)  # the same function as the cast-every-call path
+    with torch.no_grad():
+        for key, param in params.items():
+            if "lora_B" in key:
+                param.add_(0.05)  # in place, as the optimizer updates
+    updated = logits(grad=False)
+    assert not torch.allclose(updated, cached)
+    assert torch.equal(updated, logits(grad=True))
+    host.delete_adapter(name)
+    assert name not in layer.__dict__[lora._CAST]  # a deleted adapter's rounded factors go with it
