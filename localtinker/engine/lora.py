@@ -195,9 +195,10 @@ def fused_lora_forward(
         delta = torch.nn.functional.linear(torch.nn.functional.linear(rows.to(lora_a.dtype), lora_a), lora_b)
         return (base + (delta * layer.scaling[name]).to(base.dtype)).view(*x.shape[:-1], base.shape[-1])
     # The LoRA product runs in the base output's dtype: bf16 base weights that compute in bf16 take the
-    # (float32 master) factors rounded to bf16, as autocast would; the float32 unembedding of a bf16
-    # model takes its bf16 input in float32. Casts of the rank-r factors are negligible; autograd
-    # carries the gradients back to the float32 parameters through them.
+    # (float32 master) factors rounded to bf16, as autocast would; a float32 unembedding of a bf16
+    # model (models.Float32Head) takes its bf16 input in float32. With autograd the factors are cast
+    # per call, and autograd carries the gradients back to the float32 parameters through the casts;
+    # without it the rounded factors are kept (:func:`_cast_factors`).
     compute = base.dtype
     if compute != lora_a.dtype and not torch.is_grad_enabled():
         factor_a, scaled_b_t = _cast_factors(layer, name, compute)

@@ -22,7 +22,7 @@ Costs one extra copy of each packed weight (the unembedding's is 113 MB on SmolL
 
 bf16 weights of a model that computes in bf16 (bf16_matmul.py) are probed and packed the same way: on
 an AVX512-BF16 EPYC (2026-11-24, one thread) the packed bf16 kernel ran SmolLM2's projections 1.5–1.8×
-faster with one row, 1.15× with 32, and was a near-tie from 128 rows on (bench notes in the engine README).
+faster with one row, 1.15× with 32, and was a near-tie from 128 rows on; batch-invariant like the float32 one.
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ ENABLED = True
 
 
 def pack_for_training(model: torch.nn.Module, measure: bool = True) -> dict[tuple[int, int], bool]:
-    """Packs the frozen float32 linears (never a LoRA factor) of ``model`` whose shape oneDNN runs clearly
-    faster (see the module docstring), once per model; ``measure=False`` packs every one (tests).
+    """Packs the frozen float32 linears (and bf16 ones where bf16 is native; never a LoRA factor) of ``model``
+    whose shape oneDNN runs clearly faster (see the module docstring), once per model; ``measure=False`` packs every one (tests).
     Returns {(out, in): packed}."""
 
     def install(module: torch.nn.Linear) -> None:
