@@ -1,5 +1,5 @@
 """The bf16 unembedding with float32-refined top logits: same function as the plain expression, exact where
-it is refined, one function for trainer and sampler, and batch-invariant."""
+it is refined, one function for trainer and sampler, and batch-invariant without a LoRA delta."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def _reference_logits(hidden: torch.Tensor, lm_head: torch.nn.Module) -> torch.T
 def test_bulk_logits_are_bf16_and_the_largest_are_exact_float32(pack):
     head = _lora_head(pack)
     assert refines_logits(head) and not refines_logits(torch.nn.Linear(2, 2))
-    hidden = torch.randn(9, HIDDEN).to(torch.bfloat16)
+    hidden = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     with torch.no_grad():
         bulk = head(hidden)
         logits = next_token_logits(hidden, head)
@@ -99,10 +99,11 @@ def test_refined_target_logprob_matches_autograd_of_the_plain_expression(tempera
 @pytest.mark.parametrize("pack", PACKING)
 def test_trainer_gradients_reach_hidden_and_lora_factors(pack):
     head = _lora_head(pack)
-    hidden = torch.randn(5, HIDDEN).to(torch.bfloat16).requires_grad_()
+    generator = torch.Generator().manual_seed(8)
+    hidden = torch.randn(5, HIDDEN, generator=generator).to(torch.bfloat16).requires_grad_()
     with torch.no_grad():
         targets = _reference_logits(hidden, head).argmax(dim=-1)  # refined targets ...
-    targets[3:] = torch.randint(0, VOCAB, (2,))  # ... and (most likely) unrefined ones
+    targets[3:] = torch.randint(0, VOCAB, (2,), generator=generator)  # ... and (most likely) unrefined ones
     logprobs = token_logprobs(hidden, head, targets)
     logprobs.sum().backward()
     factors = [head.lora_A["default"].weight, head.lora_B["default"].weight]
@@ -123,23 +124,36 @@ def test_trainer_gradients_reach_hidden_and_lora_factors(pack):
 
 
 @pytest.mark.parametrize("pack", PACKING)
-def test_sampler_and_trainer_compute_one_function_and_rows_are_batch_invariant(pack):
+def test_sampler_and_trainer_compute_one_function(pack):
     head = _lora_head(pack)
-    hidden = torch.randn(7, HIDDEN).to(torch.bfloat16)
+    hidden = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     with torch.inference_mode():
-        together = next_token_logits(hidden, head)
-        alone = torch.cat([next_token_logits(hidden[i : i + 1], head) for i in range(len(hidden))])
-        targets = together.argmax(dim=-1)
+        logits = next_token_logits(hidden, head)
+        targets = logits.argmax(dim=-1)
         trainer = token_logprobs(hidden, head, targets)
-    assert torch.equal(alone, together)  # a request samples the same alone or in a crowd
-    sampler = together.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    sampler = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
     torch.testing.assert_close(trainer, sampler, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("pack", PACKING)
+def test_refined_rows_do_not_depend_on_the_rows_beside_them(pack):
+    """The bulk product and the refinement are batch-invariant, over many draws. (An unmerged bf16 LoRA's
+    low-rank add is not always: a small GEMM's one-row kernel sums in another order; see bf16_head.py.)"""
+    head = _head(pack, bias=True)
+    generator = torch.Generator().manual_seed(6)
+    for _ in range(50):
+        hidden = torch.randn(7, HIDDEN, generator=generator).to(torch.bfloat16)
+        with torch.inference_mode():
+            together = next_token_logits(hidden, head)
+            alone = torch.cat([next_token_logits(hidden[i : i + 1], head) for i in range(len(hidden))])
+        assert torch.equal(alone, together)  # a request samples the same alone or in a crowd
 
 
 def test_exact_logits_ignore_disabled_adapters():
     head = _lora_head(pack=False)
-    hidden = torch.randn(3, HIDDEN)
-    columns = torch.randint(0, VOCAB, (3, 5))
+    generator = torch.Generator().manual_seed(9)
+    hidden = torch.randn(3, HIDDEN, generator=generator)
+    columns = torch.randint(0, VOCAB, (3, 5), generator=generator)
     with torch.no_grad():
         with_adapter = exact_logits_at(hidden, head, columns)
         head.enable_adapters(False)
