@@ -21,21 +21,13 @@ from typing import Any
 
 import torch
 
-from localtinker.engine.packed_linear import (
-    PackedFrozenLinear,
-    best_interleaved_seconds,
-    pack_weight,
-    packed_linear,
-    packing_available,
-)
+from localtinker.engine.packed_linear import PackedFrozenLinear, pack_weight, packed_linear, packing_available
+from localtinker.engine.packed_training import forward_and_gradient_pack_wins
 
 # Per row, this many of the largest bf16 logits are recomputed in float32. On SmolLM2 the top 32 tokens
 # hold nearly all the probability mass of a chat continuation, and the recomputation is cheap next to
 # the bulk product; the selection (a top-k pass over the vocabulary) costs the same for any small K.
 REFINED_TOKENS = 32
-_PROBE_ROWS = 128
-_PROBE_MAX_OUT = 8192
-_MIN_GAIN = 0.05
 
 
 class Bf16Head(torch.nn.Linear):
@@ -55,7 +47,7 @@ class Bf16Head(torch.nn.Linear):
         self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
         self._bf16_weight: torch.Tensor | None = weight
         if pack is None:
-            pack = packing_available(torch.bfloat16) and _packed_wins(weight)
+            pack = packing_available(torch.bfloat16) and forward_and_gradient_pack_wins(weight)
         if pack:
             self._packed = (pack_weight(weight), pack_weight(weight.t().contiguous()))
             self._bf16_weight = None
@@ -69,20 +61,6 @@ class Bf16Head(torch.nn.Linear):
         if torch.is_grad_enabled() and rows.requires_grad:
             return PackedFrozenLinear.apply(rows, packed, packed_t, self._bf16_bias)
         return packed_linear(rows, packed, self._bf16_bias)
-
-
-def use_bf16_head(model: torch.nn.Module) -> None:
-    """Replaces ``model``'s unembedding by a :class:`Bf16Head` holding a float32 master copy of it."""
-    head = model.get_output_embeddings()
-    if head is None or type(head) is not torch.nn.Linear:
-        return
-    new_head = Bf16Head(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
-    new_head.weight = torch.nn.Parameter(head.weight.detach().float().clone(), requires_grad=False)
-    if head.bias is not None:
-        new_head.bias = torch.nn.Parameter(head.bias.detach().float().clone(), requires_grad=False)
-    new_head.prepare()
-    model.set_output_embeddings(new_head)
-    model.config.tie_word_embeddings = False  # the head is now a separate copy
 
 
 def refines_logits(lm_head: torch.nn.Module) -> bool:
@@ -128,22 +106,3 @@ def _lora_terms(layer: Any) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
             raise RuntimeError(f"adapter {name!r}: only plain LoRA without dropout is supported on a bf16 head")
         terms.append((layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name])))
     return terms
-
-
-def _packed_wins(weight: torch.Tensor) -> bool:
-    """Forward + input-gradient seconds of ``_PROBE_ROWS`` rows on the first rows of ``weight``, plain vs packed."""
-    weight = weight[:_PROBE_MAX_OUT].contiguous()
-    packed, packed_t = pack_weight(weight), pack_weight(weight.t().contiguous())
-    x = torch.randn(_PROBE_ROWS, weight.shape[1]).to(torch.bfloat16)
-    grad = torch.randn(_PROBE_ROWS, weight.shape[0]).to(torch.bfloat16)
-
-    def plain() -> None:
-        torch.nn.functional.linear(x, weight)
-        torch.mm(grad, weight)
-
-    def packed_pair() -> None:
-        packed_linear(x, packed)
-        packed_linear(grad, packed_t)
-
-    plain_best, packed_best = best_interleaved_seconds(plain, packed_pair, 3)
-    return packed_best < (1 - _MIN_GAIN) * plain_best

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from localtinker.engine.api import EngineUserError, UnknownModelError
-from localtinker.engine.bf16_head import use_bf16_head
+from localtinker.engine.bf16_head import Bf16Head
 from localtinker.engine.bf16_matmul import bf16_matmul_is_fast
 from localtinker.engine.float32_attention import use_float32_attention
 from localtinker.engine.hub_cache import register_tokenizer
@@ -116,10 +116,10 @@ def load_base_model(name: str, dtype: str) -> BaseModel:
         register_tokenizer(name, Path(source))
     if DTYPES[dtype] != torch.float32:
         if not bf16_matmul_is_fast():
-            _use_float32_head(model)
+            _use_float32_master_head(model, Float32Head)
             _compute_linears_in_float32(model)
         else:
-            use_bf16_head(model)
+            _use_float32_master_head(model, Bf16Head)
             if getattr(model.config, "_attn_implementation", None) == "sdpa":
                 use_float32_attention(model)
     model.eval()
@@ -167,15 +167,19 @@ class Float32Head(torch.nn.Linear):
         return torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
 
 
-def _use_float32_head(model: torch.nn.Module) -> None:
+def _use_float32_master_head(model: torch.nn.Module, head_class: type[torch.nn.Linear]) -> None:
+    """Replaces ``model``'s unembedding by a ``head_class`` (Float32Head, or bf16_head.Bf16Head) holding a float32
+    copy of its weights, untied from the embeddings."""
     head = model.get_output_embeddings()
     if head is None or type(head) is not torch.nn.Linear:
         return
-    float_head = Float32Head(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
-    float_head.weight = torch.nn.Parameter(head.weight.detach().float().clone(), requires_grad=False)
+    new_head = head_class(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
+    new_head.weight = torch.nn.Parameter(head.weight.detach().float().clone(), requires_grad=False)
     if head.bias is not None:
-        float_head.bias = torch.nn.Parameter(head.bias.detach().float().clone(), requires_grad=False)
-    model.set_output_embeddings(float_head)
+        new_head.bias = torch.nn.Parameter(head.bias.detach().float().clone(), requires_grad=False)
+    if isinstance(new_head, Bf16Head):
+        new_head.prepare()  # its bf16 (packed) copies of the master weight
+    model.set_output_embeddings(new_head)
     model.config.tie_word_embeddings = False  # the head is now a separate float32 copy
 
 

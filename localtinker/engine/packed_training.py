@@ -58,7 +58,7 @@ def pack_for_training(model: torch.nn.Module, measure: bool = True) -> dict[tupl
         inner = module.forward
         module.forward = lambda x, _m=module, _inner=inner: _forward(_m, _inner, x)
 
-    return pack_by_shape(model, _CHOICES, _packed_wins if measure else None, install, packable_dtypes(model))
+    return pack_by_shape(model, _CHOICES, forward_and_gradient_pack_wins if measure else None, install, packable_dtypes(model))
 
 
 def _forward(module: torch.nn.Linear, inner, x: torch.Tensor) -> torch.Tensor:
@@ -70,8 +70,9 @@ def _forward(module: torch.nn.Linear, inner, x: torch.Tensor) -> torch.Tensor:
     return packed_linear(x, packed, module.bias)
 
 
-def _packed_wins(weight: torch.Tensor) -> bool:
-    """Forward + input-gradient seconds of ``_PROBE_ROWS`` rows, F.linear vs packed, best of interleaved runs."""
+def forward_and_gradient_pack_wins(weight: torch.Tensor) -> bool:
+    """Forward + input-gradient seconds of ``_PROBE_ROWS`` rows, F.linear vs packed, best of interleaved runs, in
+    ``weight``'s dtype. Also decides the bf16 unembedding's packing (bf16_head.py)."""
     weight = weight[:_PROBE_MAX_OUT]  # the unembedding's first rows: the same kernels, 1/6 of the probe's time
     packed, packed_t = pack_weight(weight), pack_weight(weight.t().contiguous())
     x = torch.randn(_PROBE_ROWS, weight.shape[1]).to(weight.dtype)
