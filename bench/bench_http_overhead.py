@@ -1,9 +1,15 @@
 """SDK-over-HTTP train step vs calling the localtinker engine directly, in the same process.
 
-Baseline: ``engine.forward_backward`` + ``engine.optim_step`` on one training model. Measured: the
+Baseline: ``engine.forward_backward`` + ``engine.optim_step`` on one training model, called on the
+server's engine worker thread (``EngineWorker.call``, a queue hand-off of microseconds). Measured: the
 same step through the real tinker SDK (protobuf request, futures, long-poll) on another model of
 the same engine. Rounds alternate between the two so machine load hits both alike; the ratio of
 medians is printed. Goal: overhead <= 5%.
+
+Both sides compute on the one worker thread, so they share its OpenMP team: direct calls from the main
+thread would start a second team, and with more team threads than CPUs libgomp makes every team's
+workers sleep after each parallel region (``measure.in_own_thread``), slowing both sides by an amount
+that is not protocol overhead.
 
 On a busy machine the two medians differ by more noise than overhead, so the script also times the
 same SDK step against an engine that does no work: that is the protocol's own cost per step, and
@@ -99,17 +105,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as storage, start_server(storage, dtype=args.dtype) as server:
         client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-local")
         trainer = client.create_lora_training_client(base_model=args.model, rank=args.rank, seed=0).result()
-        engine = server.engine
+        worker = server.service.worker
         direct_id = "bench:train:direct"
-        # Direct engine calls share the engine with the server's worker thread: only call it while
-        # no SDK request is in flight (every SDK step below is awaited before the next direct step).
-        engine.create_model(direct_id, args.model, LoraSpec(rank=args.rank, seed=0))
+        worker.call("bench: create the direct model", lambda engine: engine.create_model(direct_id, args.model, LoraSpec(rank=args.rank, seed=0))).result()
         adam_spec = AdamSpec(learning_rate=1e-4)
+
+        def engine_step(engine) -> None:
+            engine.forward_backward(direct_id, engine_data, "cross_entropy", None, False)
+            engine.optim_step(direct_id, adam_spec)
 
         def direct_step() -> float:
             start = time.perf_counter()
-            engine.forward_backward(direct_id, engine_data, "cross_entropy", None, False)
-            engine.optim_step(direct_id, adam_spec)
+            worker.call("bench: direct step", engine_step).result()
             return time.perf_counter() - start
 
         def sdk_step() -> float:

@@ -11,9 +11,14 @@ under bf16 autocast; each runner is reported against the peak of the precision i
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 # A bf16-autocast baseline is skipped when this CPU's bf16-autocast matmul runs below this fraction of its
@@ -25,18 +30,50 @@ EMULATED_BF16_BELOW = 0.5
 BF16_BASELINES_ENV = "BENCH_BF16_BASELINES"
 
 
+def in_own_thread(run: Callable[[], T]) -> T:
+    """``run()`` on a thread that ends with it, so the OpenMP team its torch ops start ends too.
+
+    Why: torch's CPU wheel parallelises through libgomp, which gives every thread that starts a parallel
+    region a team of its own, kept after the region. Once the process holds more team threads than CPUs,
+    libgomp stops letting any team's idle workers spin (100 spins instead of 300,000) and puts them to sleep
+    on a futex after every region, so each of an engine step's thousands of small parallel ops pays a
+    wake-up. On 2 cores, one 2-thread ``torch.mm`` on the main thread before an in-process localtinker
+    (whose engine computes on its own worker thread) made the GRPO step of ``bench_rl_step.py`` 1.5×
+    slower for the rest of the process (6.6–7.3 s → 9.8–10.9 s per step; engine worker threads' CPU 27 s
+    + 13 s instead of 23 s + 20 s). A bench's own measurements (peaks, the bf16 probe) must not leave such
+    a team behind on the main thread to slow a side that runs later on another thread."""
+    outcome: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = run()
+        except BaseException as error:  # re-raised on the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name="bench-own-thread")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["value"]  # type: ignore[return-value]
+
+
 def mm_peak_gflops(size: int = 1024, repeats: int = 5, autocast_bf16: bool = False) -> float:
     """Best GFLOP/s of a float32 [size × size] @ [size × size] on the current torch threads (under
-    ``torch.autocast(bfloat16)`` with ``autocast_bf16``)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    best = float("inf")
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
-        torch.mm(a, b)
-        for _ in range(repeats):
-            start = time.perf_counter()
+    ``torch.autocast(bfloat16)`` with ``autocast_bf16``), measured on a thread of its own (``in_own_thread``)."""
+
+    def measure() -> float:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        best = float("inf")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
             torch.mm(a, b)
-            best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e9
+            for _ in range(repeats):
+                start = time.perf_counter()
+                torch.mm(a, b)
+                best = min(best, time.perf_counter() - start)
+        return 2 * size**3 / best / 1e9
+
+    return in_own_thread(measure)
 
 
 class Bf16Probe:

@@ -79,3 +79,38 @@ def test_each_runner_is_reported_against_the_peak_of_its_precision(monkeypatch: 
     assert "float32 torch.mm peak" in peaks.report("ours LocalEngine bfloat16", 50e9, 1.0)
     emulated = measure.Peaks(probe(monkeypatch, float32=100.0, bf16=1.0))  # no bf16 baselines: no bf16 peak
     assert emulated.bf16 is None and "float32 torch.mm peak" in emulated.report("baseline bf16 autocast", 50e9, 1.0)
+
+
+THREAD_COUNTS = """
+import os, sys, torch
+sys.path.insert(0, sys.argv[1])
+import measure
+torch.set_num_threads(2)
+threads = lambda: len(os.listdir("/proc/self/task"))
+a, b = torch.randn(512, 512), torch.randn(512, 512)
+before = threads()
+product = measure.in_own_thread(lambda: torch.mm(a, b))
+after_own = threads()
+assert torch.equal(product, torch.mm(a, b))  # the main thread's first parallel region: its team starts here
+print(before, after_own, threads())
+"""
+
+
+def test_own_thread_measurements_leave_no_openmp_team_behind() -> None:
+    """A 2-thread product on a thread of its own leaves the process's thread count as it was; the same
+    product on the main thread keeps one more (its OpenMP worker), the team that would throttle an
+    in-process engine's. Run in a fresh interpreter: pytest's main thread may already have a team."""
+    import subprocess
+
+    bench_dir = str(Path(measure.__file__).parent)
+    done = subprocess.run([sys.executable, "-c", THREAD_COUNTS, bench_dir], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    before, after_own, after_main = map(int, done.stdout.split())
+    assert after_own == before
+    assert after_main == before + 1
+
+
+def test_own_thread_returns_the_value_and_raises_the_error() -> None:
+    assert measure.in_own_thread(lambda: 41 + 1) == 42
+    with pytest.raises(ZeroDivisionError):
+        measure.in_own_thread(lambda: 1 / 0)
