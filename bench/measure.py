@@ -41,11 +41,18 @@ def in_own_thread(run: Callable[[], T]) -> T:
     (whose engine computes on its own worker thread) made the GRPO step of ``bench_rl_step.py`` 1.5×
     slower for the rest of the process (6.6–7.3 s → 9.8–10.9 s per step; engine worker threads' CPU 27 s
     + 13 s instead of 23 s + 20 s). A bench's own measurements (peaks, the bf16 probe) must not leave such
-    a team behind on the main thread to slow a side that runs later on another thread."""
+    a team behind on the main thread to slow a side that runs later on another thread.
+
+    The new thread first takes the caller's ``torch.get_num_threads()``: OpenMP's thread count is per
+    thread, and torch applies its setting to a new thread only at the thread's first ``parallel_for`` op, so
+    a ``torch.mm`` there would otherwise run on every core (measured: a 1-thread bench's float32 peak read
+    169 instead of ~100 GFLOP/s)."""
     outcome: dict[str, object] = {}
+    threads = torch.get_num_threads()
 
     def target() -> None:
         try:
+            torch.set_num_threads(threads)
             outcome["value"] = run()
         except BaseException as error:  # re-raised on the caller's thread
             outcome["error"] = error

@@ -114,3 +114,39 @@ def test_own_thread_returns_the_value_and_raises_the_error() -> None:
     assert measure.in_own_thread(lambda: 41 + 1) == 42
     with pytest.raises(ZeroDivisionError):
         measure.in_own_thread(lambda: 1 / 0)
+
+
+TEAM_SIZE = """
+import os, sys, threading, torch
+sys.path.insert(0, sys.argv[1])
+import measure
+torch.set_num_threads(1)
+a, b = torch.randn(512, 512), torch.randn(512, 512)
+threads = lambda: len(os.listdir("/proc/self/task"))
+inside = {}
+
+def count_during_mm(key):
+    before = threads()
+    torch.mm(a, b)
+    inside[key] = threads() - before  # OpenMP workers this thread's product started
+
+bare = threading.Thread(target=count_during_mm, args=("bare",))
+bare.start(); bare.join()
+measure.in_own_thread(lambda: count_during_mm("own"))
+print(inside["bare"], inside["own"])
+"""
+
+
+def test_own_thread_keeps_the_callers_torch_thread_count() -> None:
+    """With 1 torch thread set on the main thread, a bare new thread's first ``torch.mm`` starts a team of
+    every core (OpenMP workers beside it, on a multi-core machine); ``in_own_thread`` runs it on the
+    caller's 1 thread: no worker."""
+    import os
+    import subprocess
+
+    bench_dir = str(Path(measure.__file__).parent)
+    done = subprocess.run([sys.executable, "-c", TEAM_SIZE, bench_dir], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    bare, own = map(int, done.stdout.split())
+    assert own == 0
+    assert bare == len(os.sched_getaffinity(0)) - 1  # the bare thread's team: every core this process may use
