@@ -4,8 +4,9 @@ FLOP convention (stated so the figures can be checked): a forward pass costs 2 F
 every linear layer (attention projections, MLP, unembedding) per token, plus attention's two
 [query × keys] products, 4·d_model FLOPs per attended key per layer. A LoRA training step with frozen
 base weights costs 2× its forward (the backward computes activation gradients only; the LoRA weight
-gradients are negligible). Peak = the best of a few square ``torch.mm`` runs on the same threads, float32 and (where bf16 is timed)
-under bf16 autocast; each runner is reported against the peak of the precision it computes in (``Peaks``).
+gradients are negligible). Peak = the best of square ``torch.mm`` runs over ≥ 0.3 s on the same threads,
+float32 and (where bf16 is timed) under bf16 autocast; each runner is reported against the peak of the
+precision it computes in (``Peaks``).
 """
 
 from __future__ import annotations
@@ -65,19 +66,26 @@ def in_own_thread(run: Callable[[], T]) -> T:
     return outcome["value"]  # type: ignore[return-value]
 
 
-def mm_peak_gflops(size: int = 1024, repeats: int = 5, autocast_bf16: bool = False) -> float:
+def mm_peak_gflops(size: int = 1024, min_seconds: float = 0.3, autocast_bf16: bool = False) -> float:
     """Best GFLOP/s of a float32 [size × size] @ [size × size] on the current torch threads (under
-    ``torch.autocast(bfloat16)`` with ``autocast_bf16``), measured on a thread of its own (``in_own_thread``)."""
+    ``torch.autocast(bfloat16)`` with ``autocast_bf16``), measured on a thread of its own (``in_own_thread``).
+
+    The best of as many products as fit in ``min_seconds`` (at least 5): a peak is a limit, and a short window can
+    fall entirely in a slow moment of a shared virtual machine. Five products (~0.1 s)
+    once read 59 GFLOP/s for a float32 peak the same process had measured at 89 GFLOP/s minutes earlier
+    (a rerun: 85–96)."""
 
     def measure() -> float:
         a, b = torch.randn(size, size), torch.randn(size, size)
         best = float("inf")
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
             torch.mm(a, b)
-            for _ in range(repeats):
+            started, repeats = time.perf_counter(), 0
+            while repeats < 5 or time.perf_counter() - started < min_seconds:
                 start = time.perf_counter()
                 torch.mm(a, b)
                 best = min(best, time.perf_counter() - start)
+                repeats += 1
         return 2 * size**3 / best / 1e9
 
     return in_own_thread(measure)

@@ -2,6 +2,7 @@
 emulated (or when told to), and the printed note says which was done."""
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ RUNNERS = {"baseline float32": 1, "baseline bf16 autocast": 2, "ours float32": 3
 
 
 def probe(monkeypatch: pytest.MonkeyPatch, float32: float, bf16: float, choice: str | None = None) -> measure.Bf16Probe:
-    monkeypatch.setattr(measure, "mm_peak_gflops", lambda size=1024, repeats=5, autocast_bf16=False: bf16 if autocast_bf16 else float32)
+    monkeypatch.setattr(measure, "mm_peak_gflops", lambda size=1024, min_seconds=0.3, autocast_bf16=False: bf16 if autocast_bf16 else float32)
     if choice is None:
         monkeypatch.delenv(measure.BF16_BASELINES_ENV, raising=False)
     else:
@@ -45,7 +46,14 @@ def test_the_environment_overrides_the_probe_both_ways(monkeypatch: pytest.Monke
 
 
 def test_the_peak_is_a_real_measurement() -> None:
-    assert measure.mm_peak_gflops(size=128, repeats=2) > 0.1
+    assert measure.mm_peak_gflops(size=128, min_seconds=0.01) > 0.1
+
+
+def test_the_peak_keeps_measuring_for_min_seconds() -> None:
+    """A host's short stalls cannot set the peak: it is the best of every product over the window."""
+    started = time.perf_counter()
+    measure.mm_peak_gflops(size=64, min_seconds=0.2)
+    assert time.perf_counter() - started >= 0.2
 
 
 @pytest.mark.parametrize(("float32", "bf16", "expected"), [(60.0, 1.4, "float32"), (60.0, 130.0, "bfloat16"), (60.0, 70.0, "float32")])
