@@ -90,7 +90,7 @@ def test_each_runner_is_reported_against_the_peak_of_its_precision(monkeypatch: 
 
 
 THREAD_COUNTS = """
-import os, sys, torch
+import os, sys, time, torch
 sys.path.insert(0, sys.argv[1])
 import measure
 torch.set_num_threads(2)
@@ -98,6 +98,9 @@ threads = lambda: len(os.listdir("/proc/self/task"))
 a, b = torch.randn(512, 512), torch.randn(512, 512)
 before = threads()
 product = measure.in_own_thread(lambda: torch.mm(a, b))
+settled = time.monotonic() + 5  # an ended thread's team exits asynchronously; a kept one never does
+while threads() != before and time.monotonic() < settled:
+    time.sleep(0.01)
 after_own = threads()
 assert torch.equal(product, torch.mm(a, b))  # the main thread's first parallel region: its team starts here
 print(before, after_own, threads())
@@ -130,13 +133,15 @@ sys.path.insert(0, sys.argv[1])
 import measure
 torch.set_num_threads(1)
 a, b = torch.randn(512, 512), torch.randn(512, 512)
-threads = lambda: len(os.listdir("/proc/self/task"))
+threads = lambda: set(os.listdir("/proc/self/task"))
 inside = {}
 
 def count_during_mm(key):
     before = threads()
     torch.mm(a, b)
-    inside[key] = threads() - before  # OpenMP workers this thread's product started
+    # OpenMP workers this thread's product started: new thread ids only, since an ended thread's team
+    # may still be exiting while this one counts.
+    inside[key] = len(threads() - before)
 
 bare = threading.Thread(target=count_during_mm, args=("bare",))
 bare.start(); bare.join()
