@@ -476,8 +476,12 @@ class LocalEngine:
         else:
             checkpoint = self.checkpoints.load(weights_path)
             weights, lora = checkpoint.adapter, LoraSpec(**checkpoint.meta["lora"])
-        adapter = host.adapters.add_adapter(lora, seed=0)
-        host.adapters.import_weights(adapter, weights)
+        adapter = self._reused_adapter(host, lora) or host.adapters.add_adapter(lora, seed=0)
+        try:
+            host.adapters.import_weights(adapter, weights)
+        except BaseException:
+            host.adapters.delete_adapter(adapter)
+            raise
         host.resident[key] = adapter
         # Least recently used first; adapters a decode batch still uses stay (so the limit is soft).
         evictable = [k for k, name in host.resident.items() if not host.held[name] and k != key]
@@ -486,6 +490,22 @@ class LocalEngine:
             host.merged.pop(evicted, None)
             host.adapters.delete_adapter(evicted)
         return adapter
+
+    @staticmethod
+    def _reused_adapter(host: _Host, lora: LoraSpec) -> str | None:
+        """When the resident set is full: the least recently used sampler adapter no decode batch holds and
+        of ``lora``'s layout, taken out of the set (merged copy and rounded factors dropped) to receive the
+        next snapshot's weights; None otherwise. An RL loop samples a new snapshot every step, and
+        reusing an adapter skips peft's injection and deletion (lora.py, ``reusable_for``)."""
+        if len(host.resident) < RESIDENT_SAMPLER_ADAPTERS:
+            return None
+        for key, name in host.resident.items():  # least recently used first
+            if not host.held[name] and host.adapters.reusable_for(name, lora):
+                del host.resident[key]
+                host.merged.pop(name, None)
+                host.adapters.forget_derived(name)
+                return name
+        return None
 
     def _merge_for_sampling(self, host: _Host, adapter: str) -> None:
         """Folds a sampler adapter into its base weights (merged_lora.py) when a slot is free or can be freed

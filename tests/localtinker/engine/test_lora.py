@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -123,3 +125,57 @@ def test_bf16_factors_are_cast_once_without_autograd_and_recast_after_an_update(
     assert torch.equal(updated, logits(grad=True))
     host.delete_adapter(name)
     assert name not in layer.__dict__[lora._CAST]  # a deleted adapter's rounded factors go with it
+
+
+@pytest.mark.parametrize("merged_slots", [2, 4], ids=["reused-adapter-unmerged", "reused-adapter-merged"])
+def test_a_full_resident_set_reuses_an_adapter_for_the_next_snapshot(engine, new_id, monkeypatch, merged_slots):
+    """An RL loop samples a new snapshot every step: once RESIDENT_SAMPLER_ADAPTERS are resident, the next
+    snapshot's weights go into the least recently used adapter of the same layout instead of a newly injected
+    one, and every sampler still scores exactly like the trainer at its own step (no stale merged copy or
+    weights; with as many merge slots as resident adapters, the reused one is merged when it is taken). A
+    sampler of another rank gets a new adapter."""
+    import numpy as np
+
+    import localtinker.engine.engine as engine_module
+    from localtinker.engine.api import AdamSpec, DatumArrays, SampleSpec
+    from tests.localtinker.engine.reference import TINY, sft_datum
+
+    monkeypatch.setattr(engine_module, "MERGED_SAMPLER_ADAPTERS", merged_slots)
+    host = engine._hosts.get(TINY) or engine._host(TINY)  # noqa: SLF001 - counting injections
+    injected: list[str] = []
+    add_adapter = host.adapters.add_adapter
+    monkeypatch.setattr(host.adapters, "add_adapter", lambda spec, seed: injected.append(spec.rank) or add_adapter(spec, seed))
+    with warnings.catch_warnings():  # peft says which adapter it activates instead of a deleted one
+        warnings.simplefilter("ignore")
+        for name in list(host.resident.values()):  # start from an empty resident set: other tests share the engine
+            host.adapters.delete_adapter(name)
+    host.resident.clear()
+    host.merged.clear()
+
+    model_id = new_id()
+    engine.create_model(model_id, TINY, LoraSpec(rank=4, seed=3))
+    injected.clear()
+    rng = np.random.default_rng(0)
+    prompt = tuple(range(300, 310))
+    snapshots = engine_module.RESIDENT_SAMPLER_ADAPTERS + 3
+    for step in range(snapshots):
+        engine.forward_backward(model_id, [sft_datum(rng, 12)], "cross_entropy", None, False)
+        engine.optim_step(model_id, AdamSpec(learning_rate=0.05))
+        engine.create_ephemeral_sampler(f"reuse-{step}", model_id)
+        spec = SampleSpec(prompt_tokens=prompt, max_tokens=5, seed=step, stop_token_ids=())
+        sampled = engine.sample_batch([(f"reuse-{step}", spec)])[0].sequences[0]
+        full = list(prompt) + sampled.tokens
+        datum = DatumArrays(
+            tokens=np.array(full[:-1]),
+            loss_fn_inputs={"target_tokens": np.array(full[1:]), "weights": np.ones(len(full) - 1, np.float32)},
+        )
+        trainer = engine.forward_backward(model_id, [datum], "cross_entropy", None, True).loss_fn_outputs[0]["logprobs"]
+        np.testing.assert_allclose(sampled.logprobs, trainer[-len(sampled.tokens):], atol=1e-4, rtol=0)
+        assert len(host.resident) <= engine_module.RESIDENT_SAMPLER_ADAPTERS
+    assert injected == [4] * engine_module.RESIDENT_SAMPLER_ADAPTERS  # the other snapshots reused adapters
+
+    other = new_id()
+    engine.create_model(other, TINY, LoraSpec(rank=8, seed=3))
+    engine.create_ephemeral_sampler("reuse-rank-8", other)
+    engine.sample_batch([("reuse-rank-8", SampleSpec(prompt_tokens=prompt, max_tokens=2, seed=0, stop_token_ids=()))])
+    assert injected[-1] == 8  # a different layout is injected, never squeezed into a rank-4 adapter
