@@ -4,6 +4,11 @@
    Goal: pool >= 1.8x sequential on 2 cores.
 2. Overhead per run: run_python(program) vs a bare `subprocess.run([python, -c, program])` of the same
    program with the same interpreter. Goal: <= 30 ms per run.
+3. The same overhead from a parent holding a model-sized heap (``--resident-gb``, default 2.6: SmolLM2-135M
+   with its optimizer and buffers), as a code-RL run that embeds localtinker starts every test run. A child
+   that changes user ids cannot be started with vfork, so it would copy the parent's page tables: before
+   the switch to nobody moved into ``setpriv`` (posttrain/sandbox/isolation.py) a run took ~105 ms here
+   against ~16 ms. Goal: <= 30 ms per run here too.
 
 Run: .venv/bin/python bench/bench_sandbox.py [--runs 200]. Figures depend on machine load; say so when
 quoting them.
@@ -60,6 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=200)  # the pool's ramp-up blurs fewer runs
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--resident-gb", type=float, default=2.6, help="heap the parent holds for part 3 (0 skips it)")
     args = parser.parse_args()
     load = os.getloadavg()[0]
     print(f"cores={os.cpu_count()} workers={args.workers} runs={args.runs} load average (1 min) at start={load:.1f}")
@@ -69,6 +75,14 @@ def main() -> None:
     bare, sandboxed = overhead_ms(args.runs)
     print(f"bare subprocess: {bare:.1f} ms   sandboxed: {sandboxed:.1f} ms   overhead = {sandboxed - bare:.1f} ms/run "
           f"(goal <= 30 ms), ratio {sandboxed / bare:.2f}x")
+    if args.resident_gb > 0:
+        heap = bytearray(int(args.resident_gb * 1e9))  # zero pages are not resident: touch one byte per page
+        for offset in range(0, len(heap), 4096):
+            heap[offset] = 1
+        bare_big, sandboxed_big = overhead_ms(args.runs // 4)
+        print(f"parent holding {args.resident_gb:g} GB: bare {bare_big:.1f} ms   sandboxed {sandboxed_big:.1f} ms   "
+              f"overhead = {sandboxed_big - bare_big:.1f} ms/run (goal <= 30 ms)")
+        del heap
     print(f"load average (1 min) at end={os.getloadavg()[0]:.1f}")
 
 

@@ -243,7 +243,7 @@ def _classify(
     # In script mode (no sentinel) the exit code is the program's own, so only markers in stderr count.
     if (code == EXIT_MEMORY and sentinel is not None) or _ends_with_memory_error(stderr):
         return _result("crashed", f"out of memory (limit {limits.memory_mb} MB)", code, stdout, stderr, started, launch, limits)
-    if code != 0 and (stderr.startswith(b"bwrap:") or BAD_SPEC_MARKER in stderr):
+    if code != 0 and (stderr.startswith((b"bwrap:", b"setpriv:")) or BAD_SPEC_MARKER in stderr):
         return _result("sandbox_error", "the sandbox failed to start the program", code, stdout, stderr, started, launch, limits)
     if code != 0:
         return _result("failed", f"exited with code {code}", code, stdout, stderr, started, launch, limits)

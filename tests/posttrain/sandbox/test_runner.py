@@ -85,3 +85,21 @@ def test_missing_bubblewrap_refuses_unless_opted_in(monkeypatch):
         assert (result.status, result.isolation) == ("passed", "rlimit_only")
     with pytest.raises(SandboxUnavailableError):
         run_python("print(1)", allow_rlimit_only=False, **FAST)
+
+
+def test_a_failure_to_switch_to_nobody_is_a_sandbox_error(monkeypatch, tmp_path):
+    """On a root host the switch to nobody goes through setpriv; if it fails the run is a sandbox error
+    (the host's fault), not a failed program."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0:
+        pytest.skip("only a root host switches to nobody")
+    broken = tmp_path / "setpriv"
+    broken.write_text("#!/bin/sh\necho 'setpriv: setresuid failed: Operation not permitted' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *args, **kw: str(broken) if name == "setpriv" else which(name, *args, **kw))
+    result = run_python("print(1)", **FAST)
+    assert result.status == "sandbox_error", result
+    assert "setpriv" in result.stderr_tail

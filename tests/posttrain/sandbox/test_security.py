@@ -50,6 +50,36 @@ def test_fork_bomb():
     assert_next_run_works()
 
 
+@pytest.mark.parametrize("has_setpriv", [True, False], ids=["setpriv-switches", "popen-switches"])
+def test_the_candidate_runs_as_nobody_without_capabilities(monkeypatch, has_setpriv):
+    """On a root host the candidate's user maps to nobody (so RLIMIT_NPROC binds a fork bomb) with no
+    capabilities and no groups: switched by setpriv where installed, so that Popen changes no ids and can
+    vfork instead of copying the parent (isolation.py), and by Popen itself otherwise."""
+    import shutil
+
+    import posttrain.sandbox.isolation as isolation
+
+    if not has_setpriv:
+        which = shutil.which
+        monkeypatch.setattr(shutil, "which", lambda name, *args, **kw: None if name == "setpriv" else which(name, *args, **kw))
+    root = os.geteuid() == 0
+    launch = isolation.launch_for(isolation.BWRAP, Path("/sandbox-host-dir"), 3, Limits(timeout_s=5, memory_mb=256))
+    assert launch.run_as_nobody == (root and not has_setpriv)
+    assert (Path(launch.argv[0]).name == "setpriv") == (root and has_setpriv)
+    code = (
+        "import os\nstatus = open('/proc/self/status').read()\n"
+        "print(os.getuid(), os.geteuid(), os.getgid(), len(os.getgroups()), status.split('CapEff:')[1].split()[0])\n"
+    )
+    result = run_python(code, timeout_s=10, memory_mb=256)
+    assert result.status == "passed", result
+    uid, euid, gid, groups, capabilities = result.stdout_tail.split()
+    expected_uid, expected_gid = (isolation.NOBODY, isolation.NOBODY) if root else (os.getuid(), os.getgid())
+    assert (int(uid), int(euid), int(gid)) == (expected_uid, expected_uid, expected_gid)
+    assert int(capabilities, 16) == 0
+    if root:  # as a user, bubblewrap keeps the caller's supplementary groups (unmapped in the namespace)
+        assert int(groups) == 0
+
+
 def test_fork_count_is_capped_per_sandbox():
     program = (
         "import os, time\ncount = 0\n"
