@@ -107,7 +107,8 @@ def main() -> None:
         trainer = client.create_lora_training_client(base_model=args.model, rank=args.rank, seed=0).result()
         worker = server.service.worker
         direct_id = "bench:train:direct"
-        worker.call("bench: create the direct model", lambda engine: engine.create_model(direct_id, args.model, LoraSpec(rank=args.rank, seed=0))).result()
+        lora = LoraSpec(rank=args.rank, seed=0)
+        worker.call("bench: create the direct model", lambda engine: engine.create_model(direct_id, args.model, lora)).result()
         adam_spec = AdamSpec(learning_rate=1e-4)
 
         def engine_step(engine) -> None:

@@ -70,10 +70,10 @@ def mm_peak_gflops(size: int = 1024, min_seconds: float = 0.3, autocast_bf16: bo
     """Best GFLOP/s of a float32 [size × size] @ [size × size] on the current torch threads (under
     ``torch.autocast(bfloat16)`` with ``autocast_bf16``), measured on a thread of its own (``in_own_thread``).
 
-    The best of as many products as fit in ``min_seconds`` (at least 5): a peak is a limit, and a short window can
-    fall entirely in a slow moment of a shared virtual machine. Five products (~0.1 s)
-    once read 59 GFLOP/s for a float32 peak the same process had measured at 89 GFLOP/s minutes earlier
-    (a rerun: 85–96)."""
+    The best of as many products as fit in ``min_seconds`` (at least 5): a peak is a limit, and a short
+    window can fall entirely in a slow moment of a shared virtual machine. Five products (~0.1 s) once read
+    59 GFLOP/s for a float32 peak the same process had measured at 89 GFLOP/s minutes earlier (a rerun:
+    85–96)."""
 
     def measure() -> float:
         a, b = torch.randn(size, size), torch.randn(size, size)

@@ -142,7 +142,7 @@ def test_a_full_resident_set_reuses_an_adapter_for_the_next_snapshot(engine, new
 
     monkeypatch.setattr(engine_module, "MERGED_SAMPLER_ADAPTERS", merged_slots)
     host = engine._hosts.get(TINY) or engine._host(TINY)  # noqa: SLF001 - counting injections
-    injected: list[str] = []
+    injected: list[int] = []
     add_adapter = host.adapters.add_adapter
     monkeypatch.setattr(host.adapters, "add_adapter", lambda spec, seed: injected.append(spec.rank) or add_adapter(spec, seed))
     with warnings.catch_warnings():  # peft says which adapter it activates instead of a deleted one
