@@ -2,9 +2,10 @@
 
 ``admit`` prefills each *distinct* prompt of the new requests once (a GRPO group of G samples, or G
 requests with the same prompt, costs one prefill), and a prompt that a row already in the batch holds
-is not prefilled at all: that row's prompt columns are copied. A prefix shared by all the distinct
-prompts of one admission (a system prompt) is prefilled once too. The first token of every new row is
-sampled from its prompt's last logits, then the rows join the running cache (``kv_rows.py``).
+is not prefilled at all: the new rows point at the prompt already cached. A prefix shared by all the
+distinct prompts of one admission (a system prompt) is prefilled once too. The first token of every new
+row is sampled from its prompt's last logits, then the rows join the running cache, where a prompt's
+keys and values are stored once for all the rows that extend it (``shared_prompt_kv.py``).
 
 ``step`` runs one decode step for every row in the batch; rows that finished leave the cache once a
 quarter of the batch has (re-indexing the cache costs a copy), and their requests are returned as
@@ -21,11 +22,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from localtinker.engine.api import SampledSequence, SampleResult, SampleSpec
-from localtinker.engine.kv_rows import RowCache, concat_rows, select_rows, trim_left
+from localtinker.engine.api import EngineUserError, SampledSequence, SampleResult, SampleSpec
+from localtinker.engine.float32_attention import NAME as SHARED_PROMPT_ATTENTION
+from localtinker.engine.kv_rows import RowCache, select_rows
 from localtinker.engine.logprobs import next_token_logits, token_logprobs
 from localtinker.engine.packed_linear import pack_frozen_linears, packed_sampling
 from localtinker.engine.sampler import SampleRow, choose_tokens, record_token, rows_for
+from localtinker.engine.shared_prompt_kv import SharedPromptCache
 
 MIN_SHARED_PREFIX = 8
 _COMPACT_FRACTION = 0.25
@@ -37,7 +40,7 @@ class SamplingStats:
 
     requests: int = 0
     prefill_tokens: int = 0  # prompt tokens run through the model (shared prefixes and copies excluded)
-    copied_prompts: int = 0  # requests whose prompt KV was copied from a row already decoding
+    copied_prompts: int = 0  # requests whose prompt KV was already cached by a row decoding (shared, not prefilled)
     decode_steps: int = 0
     joined_mid_decode: int = 0  # requests admitted while other rows of the batch were decoding
 
@@ -49,7 +52,7 @@ class _Request:
     rows: list[SampleRow] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
     first_logits: torch.Tensor | None = None  # float32 [vocab] after the last prompt token
-    holder: int | None = None  # row whose cached prompt this request copies; None: prefilled
+    holder: int | None = None  # a row whose cached prompt this request shares; None: prefilled
     unfinished: int = 0
 
     def result(self) -> SampleResult:
@@ -82,6 +85,12 @@ class DecodeBatch:
 
     def __init__(self, model: torch.nn.Module, tokenizer: object, eos_token_ids: tuple[int, ...], pad_token_id: int,
                  stats: SamplingStats | None = None) -> None:
+        implementation = getattr(model.config, "_attn_implementation", None)
+        if implementation != SHARED_PROMPT_ATTENTION:
+            raise EngineUserError(
+                f"sampling needs the model to use transformers' sdpa attention (localtinker replaces it by "
+                f"its own, which shares a prompt's keys across samples); this model uses {implementation!r}."
+            )
         pack_frozen_linears(model)  # once per model: measured at the first sampling, see packed_linear.py
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -90,8 +99,8 @@ class DecodeBatch:
         self.pad_token_id = pad_token_id
         self.stats = stats or SamplingStats()
         self.rows: list[SampleRow] = []  # in cache order; finished rows stay until the next compaction
-        self.cache = RowCache()
-        self.mask = torch.zeros((0, 0), dtype=torch.long)
+        self.layers = int(model.config.num_hidden_layers)
+        self.cache = SharedPromptCache(self.layers)
         self.next_tokens = torch.zeros((0,), dtype=torch.long)
         self.next_positions = torch.zeros((0,), dtype=torch.long)
 
@@ -144,10 +153,9 @@ class DecodeBatch:
         live = [i for i, row in enumerate(self.rows) if row.stop_reason is None]
         if not live:
             return []
-        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
+        self.cache.open_column()
         output = self.decoder(
             input_ids=self.next_tokens[:, None],
-            attention_mask=self.mask,
             position_ids=self.next_positions[:, None],
             past_key_values=self.cache,
             use_cache=True,
@@ -181,21 +189,20 @@ class DecodeBatch:
         return holders
 
     def _join(self, rows: list[SampleRow], first_tokens: torch.Tensor, prompts, prefill: _Prefill | None) -> None:
-        """Appends the new rows' prompt KV (from the prefill, or copied from a holder row) to the running cache."""
+        """Adds the new rows to the running cache: fresh prompts from the prefill, the others already cached."""
         if not rows:
             return
-        parts = [(self.cache, self.mask)] if self.rows else []
         fresh = [row for row in rows if row.request.holder is None]
         copied = [row for row in rows if row.request.holder is not None]
+        prompt_ids = []
         if fresh:
-            index = torch.tensor([prompts.index(row.request.spec.prompt_tokens) for row in fresh])
-            parts.append(select_rows(prefill.cache, prefill.mask, index))
+            in_prefill = [prompts.index(row.request.spec.prompt_tokens) for row in fresh]
+            used = sorted(set(in_prefill))
+            first = self.cache.add_prompts(prefill.cache, prefill.mask, torch.tensor(used))
+            prompt_ids += [first + used.index(index) for index in in_prefill]
         if copied:
-            index = torch.tensor([row.request.holder for row in copied])
-            cache, mask = select_rows(self.cache, self.mask, index)
-            prompt_lengths = torch.tensor([len(row.request.spec.prompt_tokens) for row in copied])
-            parts.append((cache, mask * (mask.cumsum(dim=1) <= prompt_lengths[:, None])))  # the prompt, not its continuation
-        self.cache, self.mask = trim_left(*concat_rows(parts))
+            prompt_ids += self.cache.prompt_of_row[[row.request.holder for row in copied]].tolist()
+        self.cache.add_rows(torch.tensor(prompt_ids, dtype=torch.long))
         ordered = fresh + copied
         by_row = {id(row): token for row, token in zip(rows, first_tokens.tolist())}
         self.next_tokens = torch.cat([self.next_tokens, torch.tensor([by_row[id(row)] for row in ordered])])
@@ -210,9 +217,9 @@ class DecodeBatch:
         index = torch.tensor(live, dtype=torch.long)
         self.rows = [self.rows[i] for i in live]
         if live:
-            self.cache, self.mask = trim_left(*select_rows(self.cache, self.mask, index))
+            self.cache.keep_rows(index)
         else:
-            self.cache, self.mask = RowCache(), self.mask[:0, :0]
+            self.cache = SharedPromptCache(self.layers)
         self.next_tokens, self.next_positions = self.next_tokens[index], self.next_positions[index]
 
     def _prefill(self, prompts: list[tuple[int, ...]]) -> _Prefill:

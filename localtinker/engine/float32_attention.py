@@ -5,6 +5,9 @@ Measured on an AVX512-BF16 EPYC (2026-11-24, SmolLM2, 4 × 128-token rows, 1 thr
 bf16 SFT step. Attention is a small share of the FLOPs, so upcasting q, k and v costs little; the
 projections around it stay in bf16. Registered under its own name so other models in the process keep
 transformers' ``sdpa``; masks are built exactly as for ``sdpa``.
+
+Every engine model uses it, float32 ones too (where it is exactly ``sdpa``): a sampler's decode step
+hands it the shared-prompt keys of ``shared_prompt_kv.py``, which plain ``sdpa`` cannot read.
 """
 
 from __future__ import annotations
@@ -13,19 +16,22 @@ from typing import Any
 
 import torch
 
+from localtinker.engine.shared_prompt_kv import SharedPromptKV, shared_prompt_attention
+
 NAME = "localtinker_sdpa_float32"
 _registered = False
 
 
 def float32_sdpa(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-    **kwargs: Any,
+    module: torch.nn.Module, query: torch.Tensor, key: Any, value: Any, attention_mask: Any, **kwargs: Any,
 ) -> tuple[torch.Tensor, Any]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     dtype = query.dtype
-    if _is_plain_decode(query, attention_mask, kwargs):
-        return decode_attention(query, key, value, attention_mask, kwargs.get("scaling")).to(dtype), None
+    if isinstance(key, SharedPromptKV):  # a sampler's decode step (decode_batch.py)
+        if _is_plain_decode(query, kwargs):
+            return shared_prompt_attention(query, key, kwargs.get("scaling")).to(dtype), None
+        key, value, attention_mask = key.dense()
     output, weights = sdpa_attention_forward(
         module, query.float(), key.float(), value.float(), attention_mask, **kwargs
     )
@@ -45,34 +51,11 @@ def use_float32_attention(model: torch.nn.Module) -> None:
     model.set_attn_implementation(NAME)
 
 
-def _is_plain_decode(query: torch.Tensor, attention_mask: Any, kwargs: dict[str, Any]) -> bool:
-    """One query token per row, no autograd, no mask or a boolean one, and none of the options that change
-    the attention (``_CHANGING``): a sampler's decode step."""
-    mask_ok = attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool)
+def _is_plain_decode(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """One query token per row, no autograd, and none of the options that change the attention
+    (``_CHANGING``, not implemented by the shared-prompt attention)."""
     changed = any(kwargs.get(key) is not None for key in _CHANGING) or bool(kwargs.get("dropout"))
-    return query.shape[2] == 1 and not torch.is_grad_enabled() and mask_ok and not changed
+    return query.shape[2] == 1 and not torch.is_grad_enabled() and not changed
 
 
-# Keyword arguments of transformers' attention interface that :func:`decode_attention` does not implement.
 _CHANGING = ("softcap", "position_bias", "sliding_window", "s_aux", "cache", "head_mask")
-
-
-def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                     scaling: float | None) -> torch.Tensor:
-    """softmax(q·kᵀ·scaling + mask)·v in float32 for one query per row, the query heads of a key/value head
-    grouped into one small product: [rows, q heads, 1, d] → [rows, 1, q heads, d] (transformers' layout).
-
-    In a decode step the flash kernel's per-block setup dominates: 512 rows over ~50 bf16 keys took 10.3 ms
-    per layer through it (keys and values widened to float32 first) and 7.8 ms here, of which 3.3 ms is
-    the widening (AVX512-BF16 EPYC, 2026-11-24, one thread). The function is the trainer's (float32
-    flash, same inputs) up to float32 rounding.
-    """
-    rows, query_heads, _, dim = query.shape
-    key_heads = key.shape[1]
-    grouped = query.float().reshape(rows, key_heads, query_heads // key_heads, dim)
-    scores = torch.matmul(grouped, key.float().transpose(-1, -2))  # [rows, key heads, group, keys]
-    scores.mul_(dim**-0.5 if scaling is None else scaling)
-    if mask is not None:
-        scores.masked_fill_(~mask.reshape(rows, 1, 1, -1), float("-inf"))
-    output = torch.matmul(scores.softmax(dim=-1), value.float())  # [rows, key heads, group, d]
-    return output.reshape(rows, query_heads, 1, dim).transpose(1, 2).contiguous()

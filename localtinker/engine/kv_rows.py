@@ -1,9 +1,8 @@
-"""A KV cache whose rows can be selected, merged and trimmed between decode steps (continuous batching).
+"""KV cache rows left-aligned by padding: the prefill's cache, and the pieces of ``shared_prompt_kv.py``.
 
-Rows are left-aligned by padding: every row's tokens end at the last column, and a 0/1 attention mask
-``[rows, columns]`` hides padding and holes. Explicit position ids keep each real token where it would
-be alone, so padding never changes a result. Merging two row sets left-pads the narrower one; columns
-that no row attends to any more (the prompt of a row that left) are trimmed from the left.
+Every row's tokens end at the last column, and a 0/1 attention mask ``[rows, columns]`` hides padding
+and holes. Explicit position ids keep each real token where it would be alone, so padding never changes
+a result. Columns that no row attends to any more are dropped from the left (:func:`first_used_column`).
 
 ``ColumnBufferLayer`` keeps spare columns after the last one, so a decode step writes its column in
 place; transformers' ``DynamicLayer`` concatenates instead, copying the whole cache at every step.
@@ -74,31 +73,14 @@ def select_rows(cache: RowCache, mask: torch.Tensor, index: torch.Tensor) -> tup
     return RowCache(layers), mask[index]
 
 
-def concat_rows(parts: list[tuple[RowCache, torch.Tensor]]) -> tuple[RowCache, torch.Tensor]:
-    """Stacks row sets of different widths, left-padding each to the widest (padding is masked out)."""
-    if len(parts) == 1:
-        return parts[0]
-    width = max(mask.shape[1] for _, mask in parts)
-    layers = []
-    for layer_index in range(len(parts[0][0].layers)):
-        keys = [_left_pad(cache.layers[layer_index].keys, width) for cache, _ in parts]
-        values = [_left_pad(cache.layers[layer_index].values, width) for cache, _ in parts]
-        layers.append(ColumnBufferLayer(torch.cat(keys), torch.cat(values)))
-    masks = [torch.nn.functional.pad(mask, (width - mask.shape[1], 0)) for _, mask in parts]
-    return RowCache(layers), torch.cat(masks)
-
-
-def trim_left(cache: RowCache, mask: torch.Tensor) -> tuple[RowCache, torch.Tensor]:
-    """Drops leading columns that no row attends to."""
+def first_used_column(mask: torch.Tensor) -> int:
+    """The first column that some row of a 0/1 ``mask`` attends to (all of them before it can be dropped)."""
     used = mask.any(dim=0).nonzero()
-    start = int(used[0]) if len(used) else mask.shape[1]
-    if start == 0:
-        return cache, mask
-    layers = [ColumnBufferLayer(layer.keys[:, :, start:], layer.values[:, :, start:]) for layer in cache.layers]
-    return RowCache(layers), mask[:, start:]
+    return int(used[0]) if len(used) else mask.shape[1]
 
 
-def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+def left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """``[rows, heads, columns, dim]`` with zero columns prepended up to ``width``."""
     missing = width - tensor.shape[-2]
     if missing == 0:
         return tensor

@@ -120,8 +120,8 @@ def load_base_model(name: str, dtype: str) -> BaseModel:
             _compute_linears_in_float32(model)
         else:
             _use_float32_master_head(model, Bf16Head)
-            if getattr(model.config, "_attn_implementation", None) == "sdpa":
-                use_float32_attention(model)
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        use_float32_attention(model)  # float32 attention in bf16 models; the sampler's shared prompts in all
     model.eval()
     model.requires_grad_(False)
     config = model.config

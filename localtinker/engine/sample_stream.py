@@ -21,7 +21,8 @@ import torch
 from localtinker.engine.api import EngineUserError, SampleResult, SampleSpec
 from localtinker.engine.decode_batch import DecodeBatch, SamplingStats
 
-# rows × (prompt + max_tokens) decoding at once: bounds KV-cache memory (~46 KB per token on SmolLM2-135M).
+# Σ (prompt + samples × max_tokens) decoding at once (a prompt's keys are stored once for its samples,
+# shared_prompt_kv.py): bounds KV-cache memory (~46 KB per token on SmolLM2-135M).
 SAMPLE_BATCH_TOKENS = 65536
 
 Completed = list[tuple[Hashable, SampleResult | Exception]]
@@ -58,7 +59,7 @@ class _Pending:
 
     @property
     def cost(self) -> int:
-        return self.spec.num_samples * (len(self.spec.prompt_tokens) + self.spec.max_tokens)
+        return len(self.spec.prompt_tokens) + self.spec.num_samples * self.spec.max_tokens
 
 
 @dataclass

@@ -91,7 +91,7 @@ def test_a_request_joins_a_running_batch_and_a_short_one_leaves_first(engine, sa
     assert stream.stats.joined_mid_decode == 1
 
 
-def test_a_prompt_already_decoding_is_copied_not_prefilled_again(engine, samplers):
+def test_a_prompt_already_decoding_is_shared_not_prefilled_again(engine, samplers):
     lora, _ = samplers
     first, second = spec(PROMPT_A, seed=11, max_tokens=12), spec(PROMPT_A, seed=12, max_tokens=4, num_samples=2)
     stream = engine.sample_stream()
@@ -99,6 +99,11 @@ def test_a_prompt_already_decoding_is_copied_not_prefilled_again(engine, sampler
     results = dict(stream.step() + stream.step())
     prefilled = stream.stats.prefill_tokens
     stream.submit("second", lora, second)
+    results.update(stream.step())
+    (group,) = stream._groups.values()
+    cache = group.batch.cache
+    assert cache.rows == 3 and cache.prompts == 1  # three rows over one stored copy of the prompt
+    assert cache.layers[0].prompt_keys.shape[-2] == len(PROMPT_A)
     results.update(run_to_end(stream))
     assert stream.stats.prefill_tokens == prefilled and stream.stats.copied_prompts == 1
     assert_same(results["second"], alone(engine, lora, second))
