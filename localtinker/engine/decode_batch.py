@@ -39,8 +39,8 @@ class SamplingStats:
     """Counters that show the scheduling at work (tests and benchmarks read them)."""
 
     requests: int = 0
-    prefill_tokens: int = 0  # prompt tokens run through the model (shared prefixes and copies excluded)
-    copied_prompts: int = 0  # requests whose prompt KV was already cached by a row decoding (shared, not prefilled)
+    prefill_tokens: int = 0  # prompt tokens run through the model (shared prefixes and prompts excluded)
+    shared_prompts: int = 0  # requests whose prompt a decoding row had cached (shared, not prefilled)
     decode_steps: int = 0
     joined_mid_decode: int = 0  # requests admitted while other rows of the batch were decoding
 
@@ -131,7 +131,7 @@ class DecodeBatch:
             else:
                 record.holder = holders[record.spec.prompt_tokens]
                 record.first_logits = self.rows[record.holder].request.first_logits
-                self.stats.copied_prompts += 1
+                self.stats.shared_prompts += 1
         self.stats.requests += len(records)
         self.stats.joined_mid_decode += len(records) if joining_mid_decode else 0
         done = [record for record in records if record.spec.max_tokens == 0]
@@ -193,17 +193,17 @@ class DecodeBatch:
         if not rows:
             return
         fresh = [row for row in rows if row.request.holder is None]
-        copied = [row for row in rows if row.request.holder is not None]
+        sharing = [row for row in rows if row.request.holder is not None]
         prompt_ids = []
         if fresh:
             in_prefill = [prompts.index(row.request.spec.prompt_tokens) for row in fresh]
             used = sorted(set(in_prefill))
             first = self.cache.add_prompts(prefill.cache, prefill.mask, torch.tensor(used))
             prompt_ids += [first + used.index(index) for index in in_prefill]
-        if copied:
-            prompt_ids += self.cache.prompt_of_row[[row.request.holder for row in copied]].tolist()
+        if sharing:
+            prompt_ids += self.cache.prompt_of_row[[row.request.holder for row in sharing]].tolist()
         self.cache.add_rows(torch.tensor(prompt_ids, dtype=torch.long))
-        ordered = fresh + copied
+        ordered = fresh + sharing
         by_row = {id(row): token for row, token in zip(rows, first_tokens.tolist())}
         self.next_tokens = torch.cat([self.next_tokens, torch.tensor([by_row[id(row)] for row in ordered])])
         lengths = torch.tensor([len(row.request.spec.prompt_tokens) for row in ordered])

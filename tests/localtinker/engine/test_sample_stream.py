@@ -105,7 +105,7 @@ def test_a_prompt_already_decoding_is_shared_not_prefilled_again(engine, sampler
     assert cache.rows == 3 and cache.prompts == 1  # three rows over one stored copy of the prompt
     assert cache.layers[0].prompt_keys.shape[-2] == len(PROMPT_A)
     results.update(run_to_end(stream))
-    assert stream.stats.prefill_tokens == prefilled and stream.stats.copied_prompts == 1
+    assert stream.stats.prefill_tokens == prefilled and stream.stats.shared_prompts == 1
     assert_same(results["second"], alone(engine, lora, second))
     assert_same(results["first"], alone(engine, lora, first))
 
