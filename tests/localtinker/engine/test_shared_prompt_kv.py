@@ -35,10 +35,12 @@ def _reference(query: torch.Tensor, cache: SharedPromptCache, scaling: float | N
     """Plain float32 sdpa over every row's prompt copied in front of its own columns."""
     layer = cache.layers[0]
     rows = cache.prompt_of_row
-    keys = torch.cat([layer.prompt_keys[rows], layer.own.keys], dim=-2).repeat_interleave(QUERY_HEADS // KEY_HEADS, 1)
-    values = torch.cat([layer.prompt_values[rows], layer.own.values], dim=-2).repeat_interleave(QUERY_HEADS // KEY_HEADS, 1)
+    group = QUERY_HEADS // KEY_HEADS
+    keys = torch.cat([layer.prompt_keys[rows], layer.own.keys], dim=-2).repeat_interleave(group, 1)
+    values = torch.cat([layer.prompt_values[rows], layer.own.values], dim=-2).repeat_interleave(group, 1)
     mask = torch.cat([cache.prompt_mask[rows], cache.own_mask], dim=1)[:, None, None, :]
-    return torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling).transpose(1, 2)
+    output = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+    return output.transpose(1, 2)
 
 
 def _mixed_cache(generator: torch.Generator) -> SharedPromptCache:
