@@ -147,6 +147,18 @@ def test_the_kv_budget_admits_samplers_round_robin(engine, samplers):
     assert [step for step, _ in finished] == [3, 6, 9, 12]  # one at a time; 4 tokens take 3 steps + admission
 
 
+def test_the_kv_budget_counts_a_prompt_once_for_its_samples(engine, samplers):
+    lora, _ = samplers
+    per_request = len(PROMPT_C) + 2 * 4  # the prompt once, each sample's 4 new tokens
+    stream = SampleStream(engine, budget_tokens=2 * per_request)  # copying the prompt per sample would not fit two
+    for index in range(3):
+        stream.submit(f"pair-{index}", lora, spec(PROMPT_C, seed=index, max_tokens=4, num_samples=2))
+    stream.step()
+    assert stream.stats.requests == 2  # the third waits for room
+    run_to_end(stream)
+    assert stream.stats.requests == 3
+
+
 def run_to_end_ordered(stream: SampleStream) -> list[tuple[int, str]]:
     finished, step = [], 0
     while stream.busy:
