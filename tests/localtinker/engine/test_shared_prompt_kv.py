@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import localtinker.engine.shared_prompt_kv as shared_prompt_kv
 from localtinker.engine.api import EngineUserError
 from localtinker.engine.decode_batch import DecodeBatch
 from localtinker.engine.kv_rows import ColumnBufferLayer, RowCache
 from localtinker.engine.models import tiny_random_dir
-from localtinker.engine.shared_prompt_kv import RowGroups, SharedPromptCache, shared_prompt_attention
+from localtinker.engine.shared_prompt_kv import RowGroups, SharedPromptCache, SharedPromptKV, shared_prompt_attention
 
 KEY_HEADS, QUERY_HEADS, DIM = 2, 6, 8
 
@@ -65,7 +64,7 @@ def test_attention_equals_sdpa_over_copied_prompts(scaling):
     buckets = [(b.prompts.tolist(), b.rows.tolist()) for b in cache.groups.buckets]
     assert buckets == [([1], [[3]]), ([2, 3], [[1, 4], [6, 8]]), ([0], [[0, 2, 5, 7]])]
     query = torch.randn(cache.rows, QUERY_HEADS, 1, DIM, generator=generator)
-    got = shared_prompt_attention(query, shared_prompt_kv.SharedPromptKV(cache.layers[0], cache), scaling)
+    got = shared_prompt_attention(query, SharedPromptKV(cache.layers[0], cache), scaling)
     assert got.shape == (cache.rows, 1, QUERY_HEADS, DIM) and got.dtype == torch.float32
     torch.testing.assert_close(got, _reference(query, cache, scaling), rtol=1e-5, atol=1e-6)
 
@@ -77,7 +76,7 @@ def test_bf16_keys_are_read_in_float32():
     layer.prompt_keys, layer.prompt_values = layer.prompt_keys.bfloat16(), layer.prompt_values.bfloat16()
     layer.own = ColumnBufferLayer(layer.own.keys.bfloat16(), layer.own.values.bfloat16())
     query = torch.randn(cache.rows, QUERY_HEADS, 1, DIM, generator=generator).bfloat16()
-    got = shared_prompt_attention(query, shared_prompt_kv.SharedPromptKV(layer, cache), None)
+    got = shared_prompt_attention(query, SharedPromptKV(layer, cache), None)
     layer.prompt_keys, layer.prompt_values = layer.prompt_keys.float(), layer.prompt_values.float()
     layer.own = ColumnBufferLayer(layer.own.keys.float(), layer.own.values.float())
     torch.testing.assert_close(got, _reference(query.float(), cache, None), rtol=1e-5, atol=1e-6)
@@ -104,7 +103,7 @@ def test_keep_rows_drops_prompts_and_columns_nobody_sees_and_keeps_the_attention
     assert cache.prompts == 2 and cache.prompt_of_row.tolist() == [1, 0, 1]
     assert cache.prompt_mask.shape[1] == 4  # prompt 1 has 3 tokens, prompt 3 has 4
     assert cache.own_mask.shape[1] == 3 and cache.layers[0].own.keys.shape[:3] == (3, KEY_HEADS, 3)
-    got = shared_prompt_attention(query[kept], shared_prompt_kv.SharedPromptKV(cache.layers[0], cache), None)
+    got = shared_prompt_attention(query[kept], SharedPromptKV(cache.layers[0], cache), None)
     torch.testing.assert_close(got, before[kept], rtol=1e-5, atol=1e-6)
 
 
@@ -126,7 +125,7 @@ def test_options_the_shared_path_lacks_fall_back_to_dense_sdpa():
     query = torch.randn(cache.rows, QUERY_HEADS, 1, DIM, generator=generator)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal, module.training = QUERY_HEADS // KEY_HEADS, False, False
-    view = shared_prompt_kv.SharedPromptKV(cache.layers[0], cache)
+    view = SharedPromptKV(cache.layers[0], cache)
     with torch.inference_mode():
         shared, _ = float32_sdpa(module, query, view, view, None, scaling=None)
         dense, _ = float32_sdpa(module, query, view, view, None, scaling=None, sliding_window=4096)
