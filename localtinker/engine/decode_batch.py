@@ -28,9 +28,10 @@ from localtinker.engine.kv_rows import RowCache, select_rows
 from localtinker.engine.logprobs import next_token_logits, token_logprobs
 from localtinker.engine.packed_linear import pack_frozen_linears, packed_sampling
 from localtinker.engine.sampler import SampleRow, choose_tokens, record_token, rows_for
-from localtinker.engine.shared_prompt_kv import SharedPromptCache
+from localtinker.engine.shared_prompt_kv import SharedPromptCache, width_class
 
 MIN_SHARED_PREFIX = 8
+PREFILL_CHUNK_TOKENS = 16384  # padded tokens per prefill forward: bounds its activations
 _COMPACT_FRACTION = 0.25
 
 
@@ -38,11 +39,13 @@ _COMPACT_FRACTION = 0.25
 class SamplingStats:
     """Counters that show the scheduling at work (tests and benchmarks read them)."""
 
-    requests: int = 0
+    requests: int = 0  # admissions (a preempted request is admitted again)
     prefill_tokens: int = 0  # prompt tokens run through the model (shared prefixes and prompts excluded)
+    prefill_padding: int = 0  # padding run through the model beside them (prompts of unequal length)
     shared_prompts: int = 0  # requests whose prompt a decoding row had cached (shared, not prefilled)
     decode_steps: int = 0
     joined_mid_decode: int = 0  # requests admitted while other rows of the batch were decoding
+    preempted: int = 0  # requests sent back to the queue to free KV memory (sample_stream.py)
 
 
 @dataclass(eq=False)
@@ -73,11 +76,36 @@ def shared_prefix_length(prompts: list[tuple[int, ...]]) -> int:
 
 
 @dataclass
-class _Prefill:
+class _PrefillChunk:
+    """Prompts of one width class prefilled together (``prompts``: their indices in the admission)."""
+
+    prompts: list[int]
     cache: RowCache
     mask: torch.Tensor  # [prompts, width]
-    last_logits: torch.Tensor  # [prompts, vocab]
+
+
+@dataclass
+class _Prefill:
+    chunks: list[_PrefillChunk]
+    last_logits: torch.Tensor  # [prompts, vocab], in the admission's order
     prompt_hidden: list[torch.Tensor]  # per prompt: hidden states of every prompt token
+
+
+def length_chunks(lengths: list[int], max_tokens: int = PREFILL_CHUNK_TOKENS) -> list[list[int]]:
+    """Indices of ``lengths`` grouped for prefill: one width class per group (padding at most ~¼, see
+    ``shared_prompt_kv.width_class``), at most ``max_tokens`` padded tokens per group (one prompt longer
+    than that is a group of its own). Every prompt padded to the longest of the admission made a
+    1000-token prompt among 63 short ones cost 64 × 1000 tokens of prefill."""
+    chunks: list[list[int]] = []
+    width = 0
+    for index in sorted(range(len(lengths)), key=lengths.__getitem__):
+        length = lengths[index]
+        if chunks and width_class(length) == width_class(width) and (len(chunks[-1]) + 1) * length <= max_tokens:
+            chunks[-1].append(index)
+        else:
+            chunks.append([index])
+        width = length
+    return chunks
 
 
 class DecodeBatch:
@@ -171,6 +199,14 @@ class DecodeBatch:
             self._compact()
         return [(record.key, record.result()) for record in done]
 
+    def drop(self, keys: set[Hashable]) -> None:
+        """Removes the rows of the requests ``keys`` and the finished rows now, freeing their columns (a
+        preempted request starts over later)."""
+        for row in self.rows:
+            if row.request.key in keys and row.stop_reason is None:
+                row.stop_reason = "preempted"
+        self._compact()
+
     def _record(self, rows: list[SampleRow], tokens: list[int], logprobs: list[float]) -> list[_Request]:
         done = []
         for row, token, logprob in zip(rows, tokens, logprobs):
@@ -196,10 +232,15 @@ class DecodeBatch:
         sharing = [row for row in rows if row.request.holder is not None]
         prompt_ids = []
         if fresh:
-            in_prefill = [prompts.index(row.request.spec.prompt_tokens) for row in fresh]
-            used = sorted(set(in_prefill))
-            first = self.cache.add_prompts(prefill.cache, prefill.mask, torch.tensor(used))
-            prompt_ids += [first + used.index(index) for index in in_prefill]
+            position = {prompt: index for index, prompt in enumerate(prompts)}
+            in_prefill = [position[row.request.spec.prompt_tokens] for row in fresh]
+            needed, cached = set(in_prefill), {}
+            for chunk in prefill.chunks:
+                used = [local for local, index in enumerate(chunk.prompts) if index in needed]
+                if used:
+                    first = self.cache.add_prompts(chunk.cache, chunk.mask, torch.tensor(used))
+                    cached.update((chunk.prompts[local], first + k) for k, local in enumerate(used))
+            prompt_ids += [cached[index] for index in in_prefill]
         if sharing:
             prompt_ids += self.cache.prompt_of_row[[row.request.holder for row in sharing]].tolist()
         self.cache.add_rows(torch.tensor(prompt_ids, dtype=torch.long))
@@ -223,40 +264,58 @@ class DecodeBatch:
         self.next_tokens, self.next_positions = self.next_tokens[index], self.next_positions[index]
 
     def _prefill(self, prompts: list[tuple[int, ...]]) -> _Prefill:
-        """Prefills each distinct prompt once; a prefix shared by all of them (a system prompt) once in total."""
+        """Prefills each distinct prompt once, in chunks of about equal length (:func:`length_chunks`);
+        a prefix shared by all of them (a system prompt) once in total."""
         shared = shared_prefix_length(prompts)
-        cache = RowCache()
-        prefix_hidden = None
+        prefix, prefix_hidden = RowCache(), None
         if shared:
             output = self.decoder(
                 input_ids=torch.tensor(prompts[0][:shared])[None],
                 position_ids=torch.arange(shared)[None],
-                past_key_values=cache,
+                past_key_values=prefix,
                 use_cache=True,
             )
             prefix_hidden = output.last_hidden_state[0]
-            cache, _ = select_rows(cache, torch.ones((1, shared), dtype=torch.long), torch.zeros(len(prompts), dtype=torch.long))
         suffixes = [prompt[shared:] for prompt in prompts]
+        chunks, prompt_hidden = [], [None] * len(prompts)
+        last_logits = None
+        for members in length_chunks([len(prompt) for prompt in prompts]):
+            chunk, hidden = self._prefill_chunk(members, [suffixes[i] for i in members], prefix, shared)
+            chunks.append(chunk)
+            logits = next_token_logits(hidden[:, -1], self.lm_head)
+            if last_logits is None:
+                last_logits = logits.new_empty((len(prompts), logits.shape[-1]))
+            last_logits[members] = logits
+            width = hidden.shape[1]
+            for row, (index, suffix) in enumerate(zip(members, (suffixes[i] for i in members))):
+                own = hidden[row, width - len(suffix) :]
+                prompt_hidden[index] = own if prefix_hidden is None else torch.cat([prefix_hidden, own])
+        self.stats.prefill_tokens += shared + sum(len(suffix) for suffix in suffixes)
+        return _Prefill(chunks, last_logits, prompt_hidden)
+
+    def _prefill_chunk(self, members: list[int], suffixes: list[tuple[int, ...]], prefix: RowCache,
+                       shared: int) -> tuple[_PrefillChunk, torch.Tensor]:
+        """One forward over ``suffixes`` (left-padded) after the shared prefix's cache; (chunk, hidden states)."""
+        count = len(suffixes)
+        cache = RowCache()
+        if shared:  # the prefix's keys and values copied to every prompt of the chunk
+            prefix_mask = torch.ones((1, shared), dtype=torch.long)
+            cache, _ = select_rows(prefix, prefix_mask, torch.zeros(count, dtype=torch.long))
         width = max(len(suffix) for suffix in suffixes)
-        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        suffix_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        input_ids = torch.full((count, width), self.pad_token_id, dtype=torch.long)
+        suffix_mask = torch.zeros((count, width), dtype=torch.long)
         for index, suffix in enumerate(suffixes):
             input_ids[index, width - len(suffix) :] = torch.tensor(suffix, dtype=torch.long)
             suffix_mask[index, width - len(suffix) :] = 1
         # Left padding sits between the shared prefix and each suffix; the mask hides it and the explicit
         # positions keep every real token where it would be without padding.
         positions = shared + (suffix_mask.cumsum(-1) - 1).clamp(min=0)
-        mask = torch.cat([torch.ones((len(prompts), shared), dtype=torch.long), suffix_mask], dim=1)
+        mask = torch.cat([torch.ones((count, shared), dtype=torch.long), suffix_mask], dim=1)
         output = self.decoder(
             input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
         )
-        self.stats.prefill_tokens += shared + sum(len(suffix) for suffix in suffixes)
-        hidden = output.last_hidden_state
-        prompt_hidden = []
-        for index, suffix in enumerate(suffixes):
-            own = hidden[index, width - len(suffix) :]
-            prompt_hidden.append(own if prefix_hidden is None else torch.cat([prefix_hidden, own]))
-        return _Prefill(cache, mask, next_token_logits(hidden[:, -1], self.lm_head), prompt_hidden)
+        self.stats.prefill_padding += count * width - sum(len(suffix) for suffix in suffixes)
+        return _PrefillChunk(members, cache, mask), output.last_hidden_state
 
     def _prompt_logprobs(self, hidden: torch.Tensor, spec: SampleSpec) -> list[float | None]:
         targets = torch.tensor(spec.prompt_tokens[1:], dtype=torch.long)

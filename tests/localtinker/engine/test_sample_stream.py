@@ -103,11 +103,30 @@ def test_a_prompt_already_decoding_is_shared_not_prefilled_again(engine, sampler
     (group,) = stream._groups.values()
     cache = group.batch.cache
     assert cache.rows == 3 and cache.prompts == 1  # three rows over one stored copy of the prompt
-    assert cache.layers[0].prompt_keys.shape[-2] == len(PROMPT_A)
+    assert cache.layers[0].prompt_keys[0].shape[-2] == len(PROMPT_A)
     results.update(run_to_end(stream))
     assert stream.stats.prefill_tokens == prefilled and stream.stats.shared_prompts == 1
     assert_same(results["second"], alone(engine, lora, second))
     assert_same(results["first"], alone(engine, lora, first))
+
+
+def test_a_long_prompt_does_not_pad_the_short_ones_and_every_result_is_that_of_sampling_alone(engine, samplers):
+    """One 400-token prompt among 6-token ones: prefilled and stored apart, not as wide as the longest."""
+    lora, _ = samplers
+    requests = {"long": spec(tuple(range(700, 1100)), seed=31, max_tokens=5, num_samples=2)}
+    shorts = [tuple(range(50 + 10 * i, 56 + 10 * i)) for i in range(6)]
+    requests |= {f"short-{i}": spec(prompt, seed=40 + i, num_samples=2) for i, prompt in enumerate(shorts)}
+    stream = engine.sample_stream()
+    for key, request in requests.items():
+        stream.submit(key, lora, request)
+    results = dict(stream.step())
+    (group,) = stream._groups.values()
+    cache = group.batch.cache
+    assert sorted(mask.shape for mask in cache.prompt_masks) == [(1, 400), (6, 6)]
+    assert stream.stats.prefill_tokens == 400 + 6 * 6 and stream.stats.prefill_padding == 0
+    results.update(run_to_end(stream))
+    for key, request in requests.items():
+        assert_same(results[key], alone(engine, lora, request))
 
 
 def test_requests_mid_decode_match_sampling_alone_across_weights(engine, samplers):
@@ -165,6 +184,39 @@ def run_to_end_ordered(stream: SampleStream) -> list[tuple[int, str]]:
         step += 1
         finished += [(step, key) for key, _ in stream.step()]
     return finished
+
+
+def test_admission_reserves_at_most_the_per_sample_reservation_so_unset_max_tokens_groups_decode_together(
+    engine, samplers
+):
+    lora, _ = samplers
+    context_rest = 2048 - len(PROMPT_C)  # max_tokens unset: up to the end of the tiny model's 2048 context
+    stream = SampleStream(engine, budget_tokens=20_000)  # holds 2 of 7 + 8 × 1024, not 1 of 7 + 8 × 2041
+    for index in range(3):
+        stream.submit(f"group-{index}", lora, spec(PROMPT_C, seed=index, max_tokens=None, num_samples=8))
+    stream.step()
+    assert stream.stats.requests == 2 and 2 * (len(PROMPT_C) + 8 * context_rest) > 20_000
+
+
+def test_requests_that_outgrow_the_budget_are_preempted_and_start_over_with_the_same_samples(engine, samplers):
+    lora, _ = samplers
+    budget = 150
+    requests = {f"long-{i}": spec(PROMPT_C, seed=50 + i, max_tokens=40, num_samples=2) for i in range(3)}
+    requests["unseeded"] = spec(PROMPT_B, seed=None, max_tokens=40, num_samples=2)
+    # each reserves its prompt + 2 × 8 tokens, so all four are admitted; each grows to its prompt + 2 × 40
+    stream = SampleStream(engine, budget_tokens=budget, reserved_tokens_per_sample=8)
+    for key, request in requests.items():
+        stream.submit(key, lora, request)
+    results, peak = {}, 0
+    while stream.busy:
+        results.update(stream.step())
+        peak = max(peak, stream.stored_columns)
+    assert stream.stats.preempted >= 1 and stream.stats.requests == 4 + stream.stats.preempted
+    assert peak <= 1.5 * budget  # the padding allowance of sample_stream.PADDING_ALLOWANCE
+    for key, request in requests.items():
+        assert [len(s.tokens) for s in results[key].sequences] == [40, 40]
+        if request.seed is not None:
+            assert_same(results[key], alone(engine, lora, request))
 
 
 def test_a_bad_request_fails_alone_at_the_next_step(engine, samplers):
