@@ -19,7 +19,7 @@ Layout, chosen so that padding never costs more than about a quarter of what is 
 - *prompt shelves*: prompts of about the same length (one width class, :func:`width_class`) share a
   tensor ``[prompts, key heads, columns, dim]``, left-aligned by padding that a 0/1 mask hides. One
   tensor for every prompt made each prompt as wide as the longest: a 1000-token prompt added to 63 of
-  30-80 made a 64 × 8 × 16 batch 7-8× slower (11.4 → 87.8 s, bf16 SmolLM2, 2026-11-24; 12.9 → 15.1 s
+  30-80 made a 64 × 8 × 16 batch 7-8× slower (11.4 → 87.8 s, bf16 SmolLM2, 2026-11-24; 11.3 → 12.6 s
   with shelves and cohorts; the prefill's padding was most of it, see ``decode_batch.length_chunks``).
 - *cohorts*: the rows that joined at about the same decode step share a tensor of their own columns
   ``[rows, key heads, columns, dim]``, with spare columns after the last so that a step writes its
