@@ -2,10 +2,12 @@
 
 ``admit`` prefills each *distinct* prompt of the new requests once (a GRPO group of G samples, or G
 requests with the same prompt, costs one prefill), and a prompt that a row already in the batch holds
-is not prefilled at all: the new rows point at the prompt already cached. A prefix shared by all the
-distinct prompts of one admission (a system prompt) is prefilled once too. The first token of every new
-row is sampled from its prompt's last logits, then the rows join the running cache, where a prompt's
-keys and values are stored once for all the rows that extend it (``shared_prompt_kv.py``).
+is not prefilled at all: the new rows point at the prompt already cached. Prompts are prefilled in
+chunks of about one length (:func:`length_chunks`), so a long prompt does not pad the short ones. A
+prefix shared by all the distinct prompts of one admission (a system prompt) is prefilled once too.
+The first token of every new row is sampled from its prompt's last logits, then the rows join the
+running cache, where a prompt's keys and values are stored once for all the rows that extend it
+(``shared_prompt_kv.py``).
 
 ``step`` runs one decode step for every row in the batch; rows that finished leave the cache once a
 quarter of the batch has (re-indexing the cache costs a copy), and their requests are returned as
