@@ -146,15 +146,16 @@ class DecodeBatch:
         joining_mid_decode = bool(self.rows)
         records = [_Request(key, spec) for key, spec in requests]
         holders = self._prompt_holders()
-        prompts = list(dict.fromkeys(
+        fresh = dict.fromkeys(
             r.spec.prompt_tokens for r in records if r.spec.prompt_logprobs or r.spec.prompt_tokens not in holders
-        ))
-        prefill = self._prefill(prompts) if prompts else None
+        )
+        position = {prompt: index for index, prompt in enumerate(fresh)}  # in the prefill
+        prefill = self._prefill(list(position)) if position else None
         for record in records:
             record.rows = rows_for(record, record.spec, self.eos_token_ids)
             record.unfinished = len(record.rows)
             if record.spec.prompt_logprobs or record.spec.prompt_tokens not in holders:
-                index = prompts.index(record.spec.prompt_tokens)
+                index = position[record.spec.prompt_tokens]
                 record.first_logits = prefill.last_logits[index]
                 if record.spec.prompt_logprobs:
                     record.prompt_logprobs = self._prompt_logprobs(prefill.prompt_hidden[index], record.spec)
@@ -173,7 +174,7 @@ class DecodeBatch:
             tokens, logprobs = choose_tokens(torch.stack([row.request.first_logits for row in starting]), starting)
             done += self._record(starting, tokens.tolist(), logprobs.tolist())
             continuing = [i for i, row in enumerate(starting) if row.stop_reason is None]
-            self._join([starting[i] for i in continuing], tokens[continuing], prompts, prefill)
+            self._join([starting[i] for i in continuing], tokens[continuing], position, prefill)
         return [(record.key, record.result()) for record in done]
 
     @torch.inference_mode()
@@ -226,7 +227,8 @@ class DecodeBatch:
             holders.setdefault(row.request.spec.prompt_tokens, index)
         return holders
 
-    def _join(self, rows: list[SampleRow], first_tokens: torch.Tensor, prompts, prefill: _Prefill | None) -> None:
+    def _join(self, rows: list[SampleRow], first_tokens: torch.Tensor, position: dict[tuple[int, ...], int],
+              prefill: _Prefill | None) -> None:
         """Adds the new rows to the running cache: fresh prompts from the prefill, the others already cached."""
         if not rows:
             return
@@ -234,7 +236,6 @@ class DecodeBatch:
         sharing = [row for row in rows if row.request.holder is not None]
         prompt_ids = []
         if fresh:
-            position = {prompt: index for index, prompt in enumerate(prompts)}
             in_prefill = [position[row.request.spec.prompt_tokens] for row in fresh]
             needed, cached = set(in_prefill), {}
             for chunk in prefill.chunks:
