@@ -163,3 +163,22 @@ def test_own_thread_keeps_the_callers_torch_thread_count() -> None:
     bare, own = map(int, done.stdout.split())
     assert own == 0
     assert bare == len(os.sched_getaffinity(0)) - 1  # the bare thread's team: every core this process may use
+
+
+def test_useful_prefill_counts_each_distinct_prefix_once() -> None:
+    """A chat header shared by every prompt is one forward's work, not one per prompt; a prompt repeated for
+    a group is prefilled once; a prompt that is a prefix of another still needs its own unembedding."""
+
+    class Config:
+        hidden_size, num_hidden_layers, num_key_value_heads, num_attention_heads = 8, 2, 2, 4
+        intermediate_size, vocab_size = 16, 32
+
+    flops = measure.FlopModel(Config())
+    header = [1, 2, 3]
+    prompts = [header + [4, 5], header + [6], header + [4, 5], header]
+    # distinct positions: 1, 2, 3 (depths 1-3), then 4, 5 (depths 4, 5) and 6 (depth 4): 6 positions,
+    # 1+2+3+4+5+4 = 19 attended keys; distinct prompts ending: [..,5], [..,6], header = 3 unembeddings
+    assert flops.prompts_forward(prompts) == flops.forward(6, 19, unembedded=3)
+    separately = sum(flops.forward(len(p), flops.causal_keys(len(p)), unembedded=1) for p in prompts)
+    assert flops.prompts_forward(prompts) < separately
+    assert flops.prompts_forward([[7, 8, 9]]) == flops.forward(3, flops.causal_keys(3), unembedded=1)
