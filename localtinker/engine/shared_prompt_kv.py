@@ -208,9 +208,9 @@ class SharedPromptCache(DynamicCache):
         for layer, source in zip(self.layers, prefill.layers):
             keys, values = (source.keys, source.values) if everything else (source.keys[index], source.values[index])
             keys, values = keys[:, :, trim:], values[:, :, trim:]
-            if shelf is None:
-                layer.prompt_keys.append(keys)
-                layer.prompt_values.append(values)
+            if shelf is None:  # an exact copy: the prefill's buffers have spare columns, freed with them
+                layer.prompt_keys.append(keys.contiguous())
+                layer.prompt_values.append(values.contiguous())
             else:
                 held_keys, held_values = layer.prompt_keys[shelf], layer.prompt_values[shelf]
                 width = max(keys.shape[-2], held_keys.shape[-2])

@@ -195,6 +195,17 @@ def test_a_group_stores_its_prompt_once():
     assert layer.get_seq_length() == 5 + 3  # what transformers sizes its masks by
 
 
+def test_a_new_shelf_holds_exactly_its_prompts_not_the_prefill_buffer():
+    """The prefill writes into buffers with spare columns (kv_rows.SPARE_COLUMNS); a shelf keeping a view
+    of one would hold that memory, uncounted by ``stored_columns``, for as long as the prompts live."""
+    mirror = Mirror(torch.Generator().manual_seed(4))
+    mirror.add_prompts([6, 9], use=[0, 1])  # every prompt of the prefill: no gather makes a copy
+    layer = mirror.cache.layers[0]
+    for stored in (layer.prompt_keys[0], layer.prompt_values[0]):
+        assert stored.shape == (2, KEY_HEADS, 9, DIM)
+        assert stored.untyped_storage().nbytes() == stored.numel() * stored.element_size()
+
+
 def test_options_the_shared_path_lacks_fall_back_to_dense_sdpa():
     from localtinker.engine.float32_attention import float32_sdpa
 
