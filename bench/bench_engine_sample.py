@@ -100,8 +100,8 @@ class Ours:
 
 
 def useful_flops(flop_model: FlopModel, prompt_tokens: list[list[int]]) -> float:
-    """Prefill of the prompts, their shared chat header once (``FlopModel.prompts_forward``), + NEW_TOKENS - 1
-    decode steps per prompt."""
+    """Prefill of the prompts, any prefix several of them share (their chat header, "Write 1 sentences about")
+    once (``FlopModel.prompts_forward``), + NEW_TOKENS - 1 decode steps per prompt."""
     prefill = flop_model.prompts_forward(prompt_tokens)
     decode = sum(
         flop_model.forward(NEW_TOKENS - 1, sum(len(p) + i for i in range(1, NEW_TOKENS))) for p in prompt_tokens

@@ -93,8 +93,8 @@ def generate(model, pad: int, prompt_tokens, autocast: bool) -> int:
 
 
 def useful_flops(flop_model: FlopModel, prompt_tokens) -> float:
-    """Each prompt prefilled once, their shared chat header once (``FlopModel.prompts_forward``), then 8 rows ×
-    15 decode steps."""
+    """Each prompt prefilled once, any prefix several prompts share (their chat header) once
+    (``FlopModel.prompts_forward``), then 8 rows × 15 decode steps."""
     prefill = flop_model.prompts_forward(prompt_tokens)
     decode = sum(
         SAMPLES * flop_model.forward(NEW_TOKENS - 1, sum(len(p) + i for i in range(1, NEW_TOKENS))) for p in prompt_tokens
