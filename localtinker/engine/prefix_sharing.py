@@ -48,13 +48,15 @@ class TokenRows:
 
 
 def token_rows(
-    decoder: torch.nn.Module, tokens: list[torch.Tensor], targets: list[torch.Tensor], budget: int, share: bool = True
+    decoder: torch.nn.Module, tokens: list[torch.Tensor], targets: list[torch.Tensor], budget: int, share: bool = True,
+    shared_budget: int | None = None,
 ) -> Iterator[TokenRows]:
     """The hidden states of every datum position, one micro-batch of at most ``budget`` padded tokens at a
-    time: datums that share a prompt (:func:`group_by_prefix`) run it once per group, the others as rows.
-    ``share=False`` runs every datum as its own row."""
+    time (``shared_budget``, default ``budget``, for groups): datums that share a prompt
+    (:func:`group_by_prefix`) run it once per group, the others as rows. ``share=False`` runs every datum
+    as its own row."""
     groups = group_by_prefix(tokens) if share else [PrefixGroup((i,), 0) for i in range(len(tokens))]
-    batches, left = shared_microbatches([g for g in groups if g.shared], tokens, budget)
+    batches, left = shared_microbatches([g for g in groups if g.shared], tokens, shared_budget or budget)
     alone = sorted(left + [index for group in groups if not group.shared for index in group.members])
     for positions in _plain_microbatches([tokens[i].shape[0] for i in alone], budget):
         yield plain_rows(decoder, [alone[k] for k in positions], tokens, targets)

@@ -179,9 +179,9 @@ def embedded_tokens(engine, run) -> int:
         ("importance_sampling", 512, 0),
         ("ppo", 512, 0),
         ("gspo", 512, 0),
-        ("importance_sampling", 40, 0),  # groups split into chunks
+        ("importance_sampling", 20, 0),  # groups split into chunks (shared micro-batches: 2 × 20 tokens)
         ("importance_sampling", 512, 20),  # a system prompt in front of every group: the root runs once
-        ("ppo", 90, 20),
+        ("ppo", 45, 20),
     ],
 )
 def test_shared_prompts_give_the_reference_results_with_fewer_tokens(
@@ -232,6 +232,33 @@ def test_a_common_system_prompt_runs_once_per_micro_batch(engine, trained, monke
     without_root = embedded_tokens(engine, lambda: logprobs.append(run()))
     assert with_root[0] == without_root - 2 * 24  # three groups ran the system prompt once instead of three times
     for a, b in zip(*logprobs):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_groups_take_micro_batches_larger_by_the_shared_factor(engine, trained, monkeypatch):
+    """A micro-batch of groups runs two or three passes (root, prompts, own tokens), each paying a whole
+    pass's per-op cost: groups get SHARED_MICROBATCH_FACTOR × the plain budget, plain rows the budget."""
+    reference = ReferenceModel(engine.lora_spec(trained), engine.lora_weights(trained))
+    data = grouped_rl_data(reference, seed=6)
+    decoder = engine._hosts[TINY].base.model.get_decoder()
+    passes = []
+    handle = decoder.register_forward_hook(lambda *args: passes.append(1))
+
+    def count(factor: int) -> tuple[int, list]:
+        monkeypatch.setattr(engine_module, "SHARED_MICROBATCH_FACTOR", factor)
+        passes.clear()
+        result = engine.forward_backward(trained, data, "importance_sampling", None, forward_only=True)
+        return len(passes), [o["logprobs"] for o in result.loss_fn_outputs]
+
+    # the three groups' micro-batch: prompts padded to 30 × 3 + own parts padded to ≤ 8 × 12 ≤ 186 tokens
+    monkeypatch.setattr(engine_module, "TRAIN_MICROBATCH_TOKENS", 100)
+    try:
+        (larger, logprobs), (plain, plain_logprobs) = count(2), count(1)
+    finally:
+        handle.remove()
+    # the two loners as one plain micro-batch, then the groups: one micro-batch (2 passes) against two or more
+    assert larger == 1 + 2 and plain >= 1 + 4
+    for a, b in zip(logprobs, plain_logprobs):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
