@@ -24,7 +24,6 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
-_END = -1  # a trie key no token id takes: marks the end of a prompt
 
 
 # A bf16-autocast baseline is skipped when this CPU's bf16-autocast matmul runs below this fraction of its
@@ -165,18 +164,17 @@ class FlopModel:
         """Prefill of ``prompts`` doing no work twice: every distinct prefix (a node of the prompts' token
         trie) runs once, attending to the positions up to its own, and each distinct prompt's last position
         goes through the unembedding (its first sampled token needs it)."""
+        distinct = {tuple(prompt) for prompt in prompts}
         trie: dict = {}
-        positions = attended = ends = 0
-        for prompt in prompts:
+        positions = attended = 0
+        for prompt in distinct:
             node = trie
             for depth, token in enumerate(prompt, start=1):
                 if token not in node:
                     node[token] = {}
                     positions, attended = positions + 1, attended + depth
                 node = node[token]
-            if not node.get(_END, False):
-                node[_END], ends = True, ends + 1
-        return self.forward(positions, attended, unembedded=ends)
+        return self.forward(positions, attended, unembedded=len(distinct))
 
     def causal_keys(self, length: int) -> int:
         """(query, key) pairs of one causal sequence of ``length`` tokens."""
