@@ -41,7 +41,7 @@ from localtinker.server import start_server
 from posttrain.preference.data import Pair, Side
 from posttrain.preference.dpo import dpo_loss_fn
 from posttrain.preference.reference import compute_reference_logprobs
-from measure import Bf16Probe
+from measure import Bf16Probe, server_bench_options
 
 PAIRS, PROMPT, COMPLETION, RANK, BETA, LEARNING_RATE = 4, 64, 64, 16, 0.1, 1e-5
 
@@ -130,16 +130,11 @@ def timed(step, pairs: list[Pair]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for every runner (0 = torch default)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="localtinker engine dtype; auto = bfloat16 where bf16 is native here, else float32")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = server_bench_options(parser)
     probe = Bf16Probe()
     print(probe.note(), flush=True)
     args.dtype = probe.engine_dtype(args.dtype)
-    print(f"torch threads: {torch.get_num_threads()}, engine dtype: {args.dtype}", flush=True)
+    print(f"engine dtype: {args.dtype}", flush=True)
     batches = [make_pairs(seed) for seed in range(args.steps + 1)]
     with tempfile.TemporaryDirectory() as storage, start_server(storage, dtype=args.dtype) as server:
         service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-local")

@@ -11,6 +11,11 @@ Prints samples/s, achieved GFLOP/s against a torch.mm peak measured in the run, 
 ~1000-token one, as a time ratio to the uniform run (1.0 would be free; the cache stores prompts by
 width class so that the short ones are not padded to the long one).
 
+The server's prefix store (``localtinker/engine/prefix_store.py``) is off here: every side sends the same
+64 prompts to the same sampler, so with it on, each side after the first would find every prompt already
+computed. What keeping cold prompts costs is measured in ``bench_multiturn_sampling.py`` (its first turn)
+and in the engine README (0.3-0.4% of this workload's sampling call).
+
 Usage: ``python bench/bench_rl_sampling.py [--threads 1]``
 """
 
@@ -30,8 +35,9 @@ import torch
 from tinker import types
 
 from localtinker.engine.packaged import SMOLLM2_NAME, smollm2_hf_dir
+from localtinker.engine.prefix_store import ENV_BUDGET
 from localtinker.server import start_server
-from measure import Bf16Probe, FlopModel, Peaks
+from measure import Bf16Probe, FlopModel, Peaks, server_bench_options
 
 PROMPTS, SAMPLES, NEW_TOKENS = 64, 8, 16
 LONG_PROMPT = 1000
@@ -104,14 +110,8 @@ def useful_flops(flop_model: FlopModel, prompt_tokens) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for every side (0 = torch default)")
     parser.add_argument("--prompts", type=int, default=PROMPTS, help="fewer for a quick check on a busy machine")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="localtinker engine dtype; auto = bfloat16 where bf16 is native here, else float32")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"torch threads: {torch.get_num_threads()}")
+    args = server_bench_options(parser)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_hf_dir())
@@ -122,6 +122,7 @@ def main() -> None:
     print(probe.note())
     dtype = probe.engine_dtype(args.dtype)
     print(f"engine dtype: {dtype}")
+    os.environ[ENV_BUDGET] = "0"  # the sides repeat each other's prompts: see the module docstring
     with tempfile.TemporaryDirectory() as storage, start_server(storage, dtype=dtype) as server:
         client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-bench")
         sampler = client.create_sampling_client(base_model=SMOLLM2_NAME).result()

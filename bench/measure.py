@@ -15,6 +15,7 @@ precision it computes in (``Peaks``).
 
 from __future__ import annotations
 
+import argparse
 import os
 import threading
 import time
@@ -33,6 +34,20 @@ T = TypeVar("T")
 # times it anyway, =never skips it everywhere.
 EMULATED_BF16_BELOW = 0.5
 BF16_BASELINES_ENV = "BENCH_BF16_BASELINES"
+
+
+def server_bench_options(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parses a server bench's arguments after adding the options they share, ``--threads`` (applied here:
+    every side runs on that many torch threads) and ``--dtype`` (resolve ``auto`` with
+    ``Bf16Probe.engine_dtype``)."""
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for every side (0 = torch default)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="localtinker engine dtype; auto = bfloat16 where bf16 is native here, else float32")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch threads: {torch.get_num_threads()}", flush=True)
+    return args
 
 
 def in_own_thread(run: Callable[[], T]) -> T:

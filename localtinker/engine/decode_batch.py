@@ -5,6 +5,8 @@ requests with the same prompt, costs one prefill), and a prompt that a row alrea
 is not prefilled at all: the new rows point at the prompt already cached. Prompts are prefilled in
 chunks of about one length (:func:`length_chunks`), so a long prompt does not pad the short ones. A
 prefix shared by all the distinct prompts of one admission (a system prompt) is prefilled once too.
+A prompt that extends a sequence kept in the ``PrefixStore`` (an earlier turn of the same conversation,
+``prefix_store.py``) starts from that sequence's keys and values and prefills only the rest.
 The first token of every new row is sampled from its prompt's last logits, then the rows join the
 running cache, where a prompt's keys and values are stored once for all the rows that extend it
 (``shared_prompt_kv.py``).
@@ -26,9 +28,10 @@ import torch
 
 from localtinker.engine.api import EngineUserError, SampledSequence, SampleResult, SampleSpec
 from localtinker.engine.float32_attention import NAME as SHARED_PROMPT_ATTENTION
-from localtinker.engine.kv_rows import RowCache, select_rows
+from localtinker.engine.kv_rows import ColumnBufferLayer, RowCache, select_rows
 from localtinker.engine.logprobs import next_token_logits, token_logprobs
 from localtinker.engine.packed_linear import pack_frozen_linears, packed_sampling
+from localtinker.engine.prefix_store import KeptSequence, PrefixStore
 from localtinker.engine.sampler import SampleRow, choose_tokens, record_token, rows_for
 from localtinker.engine.shared_prompt_kv import SharedPromptCache, width_class
 
@@ -43,6 +46,7 @@ class SamplingStats:
 
     requests: int = 0  # admissions (a preempted request is admitted again)
     prefill_tokens: int = 0  # prompt tokens run through the model (shared prefixes and prompts excluded)
+    reused_prefix_tokens: int = 0  # prompt tokens whose keys and values came from the prefix store
     prefill_padding: int = 0  # padding run through the model beside them (prompts of unequal length)
     shared_prompts: int = 0  # requests whose prompt a decoding row had cached (shared, not prefilled)
     decode_steps: int = 0
@@ -59,6 +63,7 @@ class _Request:
     first_logits: torch.Tensor | None = None  # float32 [vocab] after the last prompt token
     holder: int | None = None  # a row whose cached prompt this request shares; None: prefilled
     unfinished: int = 0
+    continuation: bool = False  # its prompt extends a kept sequence: its samples are kept when they finish
 
     def result(self) -> SampleResult:
         sequences = [SampledSequence(row.tokens, row.logprobs, row.stop_reason or "length") for row in self.rows]
@@ -90,7 +95,20 @@ class _PrefillChunk:
 class _Prefill:
     chunks: list[_PrefillChunk]
     last_logits: torch.Tensor  # [prompts, vocab], in the admission's order
-    prompt_hidden: list[torch.Tensor]  # per prompt: hidden states of every prompt token
+    prompt_hidden: list[torch.Tensor | None]  # per prompt: hidden states of every prompt token (None: reused)
+
+
+@dataclass
+class _Past:
+    """Keys and values a prefill chunk starts from, per row right-aligned in ``columns`` (0/1 ``mask``)."""
+
+    cache: RowCache
+    mask: torch.Tensor  # [prompts, columns]
+    lengths: torch.Tensor  # [prompts] real columns: the position of each row's first suffix token
+
+    @staticmethod
+    def empty(count: int) -> _Past:
+        return _Past(RowCache(), torch.zeros((count, 0), dtype=torch.long), torch.zeros(count, dtype=torch.long))
 
 
 def length_chunks(lengths: list[int], max_tokens: int = PREFILL_CHUNK_TOKENS) -> list[list[int]]:
@@ -114,7 +132,7 @@ class DecodeBatch:
     """Rows decoding together over one model whose adapter the caller has switched on."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: object, eos_token_ids: tuple[int, ...], pad_token_id: int,
-                 stats: SamplingStats | None = None) -> None:
+                 stats: SamplingStats | None = None, prefixes: PrefixStore | None = None, weights: str = "") -> None:
         implementation = getattr(model.config, "_attn_implementation", None)
         if implementation != SHARED_PROMPT_ATTENTION:
             raise EngineUserError(
@@ -128,6 +146,8 @@ class DecodeBatch:
         self.eos_token_ids = eos_token_ids
         self.pad_token_id = pad_token_id
         self.stats = stats or SamplingStats()
+        self.prefixes = prefixes if prefixes is not None and prefixes.enabled else None
+        self.weights = weights  # names the weights for the prefix store
         self.rows: list[SampleRow] = []  # in cache order; finished rows stay until the next compaction
         self.layers = int(model.config.num_hidden_layers)
         self.cache = SharedPromptCache(self.layers)
@@ -150,18 +170,21 @@ class DecodeBatch:
             r.spec.prompt_tokens for r in records if r.spec.prompt_logprobs or r.spec.prompt_tokens not in holders
         )
         position = {prompt: index for index, prompt in enumerate(fresh)}  # in the prefill
-        prefill = self._prefill(list(position)) if position else None
+        reused = self._reused_prefixes(list(position), {r.spec.prompt_tokens for r in records if r.spec.prompt_logprobs})
+        prefill = self._prefill(list(position), reused) if position else None
         for record in records:
             record.rows = rows_for(record, record.spec, self.eos_token_ids)
             record.unfinished = len(record.rows)
             if record.spec.prompt_logprobs or record.spec.prompt_tokens not in holders:
                 index = position[record.spec.prompt_tokens]
                 record.first_logits = prefill.last_logits[index]
+                record.continuation = reused[index] is not None
                 if record.spec.prompt_logprobs:
                     record.prompt_logprobs = self._prompt_logprobs(prefill.prompt_hidden[index], record.spec)
             else:
                 record.holder = holders[record.spec.prompt_tokens]
-                record.first_logits = self.rows[record.holder].request.first_logits
+                holder = self.rows[record.holder].request
+                record.first_logits, record.continuation = holder.first_logits, holder.continuation
                 self.stats.shared_prompts += 1
         self.stats.requests += len(records)
         self.stats.joined_mid_decode += len(records) if joining_mid_decode else 0
@@ -198,6 +221,8 @@ class DecodeBatch:
         tokens, logprobs = choose_tokens(logits, live_rows)
         self.next_tokens[live] = tokens
         done = self._record(live_rows, tokens.tolist(), logprobs.tolist())
+        if self.prefixes is not None:
+            self._keep_finished_continuations(live)
         if len(self.rows) - self.live_rows >= max(1, int(_COMPACT_FRACTION * len(self.rows))):
             self._compact()
         return [(record.key, record.result()) for record in done]
@@ -219,6 +244,26 @@ class DecodeBatch:
                     row.request.first_logits = None
                     done.append(row.request)
         return done
+
+    def _reused_prefixes(self, prompts: list[tuple[int, ...]],
+                         whole: set[tuple[int, ...]]) -> list[tuple[KeptSequence, int] | None]:
+        """Per prompt, the kept sequence it extends and the tokens reused, or None (``whole``: prompts
+        whose every hidden state is needed, for prompt logprobs, are prefilled whole)."""
+        if self.prefixes is None:
+            return [None] * len(prompts)
+        return [None if prompt in whole else self.prefixes.longest_prefix(self.weights, prompt) for prompt in prompts]
+
+    def _keep_finished_continuations(self, indices: list[int]) -> None:
+        """Keeps prompt + completion of the rows ``indices`` that just finished, if their request extended a
+        kept sequence: the next turn of that conversation will extend them in turn (prefix_store.py)."""
+        for index in indices:
+            row = self.rows[index]
+            own = len(row.tokens) - 1  # the last token was sampled, never run through the model
+            if row.stop_reason is None or row.stop_reason == "preempted" or not row.request.continuation or own < 1:
+                continue
+            keys, values = self.cache.row_keys_values(index, own)
+            self.prefixes.keep(self.weights, row.request.spec.prompt_tokens + tuple(row.tokens[:-1]), keys, values,
+                               proven=True)
 
     def _prompt_holders(self) -> dict[tuple[int, ...], int]:
         """Prompt -> index of a row in the batch whose cache holds that prompt."""
@@ -266,9 +311,44 @@ class DecodeBatch:
             self.cache = SharedPromptCache(self.layers)
         self.next_tokens, self.next_positions = self.next_tokens[index], self.next_positions[index]
 
-    def _prefill(self, prompts: list[tuple[int, ...]]) -> _Prefill:
-        """Prefills each distinct prompt once, in chunks of about equal length (:func:`length_chunks`);
-        a prefix shared by all of them (a system prompt) once in total."""
+    def _prefill(self, prompts: list[tuple[int, ...]], reused: list[tuple[KeptSequence, int] | None]) -> _Prefill:
+        """Prefills each distinct prompt once, in chunks of about equal length (:func:`length_chunks`): a
+        prompt that extends a kept sequence from its keys and values; among the others, a prefix shared by
+        all of them (a system prompt) once in total. Those others are kept in the prefix store."""
+        chunks: list[_PrefillChunk] = []
+        last_logits: torch.Tensor | None = None
+        prompt_hidden: list[torch.Tensor | None] = [None] * len(prompts)
+
+        def run(members: list[int], suffixes: list[tuple[int, ...]], past: _Past) -> torch.Tensor:
+            nonlocal last_logits
+            chunk, hidden = self._prefill_chunk(members, suffixes, past)
+            chunks.append(chunk)
+            logits = next_token_logits(hidden[:, -1], self.lm_head)
+            if last_logits is None:
+                last_logits = logits.new_empty((len(prompts), logits.shape[-1]))
+            last_logits[members] = logits
+            return hidden
+
+        whole = [i for i, hit in enumerate(reused) if hit is None]
+        if whole:
+            self._prefill_whole(whole, [prompts[i] for i in whole], prompt_hidden, run)
+        if self.prefixes is not None:  # a continuation's prompt is kept with its samples when they finish
+            for chunk in chunks:
+                self._keep_prompts(chunk, [prompts[i] for i in chunk.prompts])
+        extending = [i for i, hit in enumerate(reused) if hit is not None]
+        for group in length_chunks([len(prompts[i]) - reused[i][1] for i in extending]):
+            members = [extending[k] for k in group]
+            hits = [reused[i] for i in members]
+            suffixes = [prompts[i][length:] for i, (_, length) in zip(members, hits)]
+            run(members, suffixes, self._kept_past(hits, max(len(suffix) for suffix in suffixes)))
+            self.stats.reused_prefix_tokens += sum(length for _, length in hits)
+            self.stats.prefill_tokens += sum(len(suffix) for suffix in suffixes)
+        return _Prefill(chunks, last_logits, prompt_hidden)
+
+    def _prefill_whole(self, indices: list[int], prompts: list[tuple[int, ...]],
+                       prompt_hidden: list[torch.Tensor | None], run) -> None:
+        """Prefills ``prompts`` (the admission's ``indices``) from nothing: a prefix they all share once, then
+        each one's suffix after that prefix's keys and values."""
         shared = shared_prefix_length(prompts)
         prefix, prefix_hidden = RowCache(), None
         if shared:
@@ -280,45 +360,73 @@ class DecodeBatch:
             )
             prefix_hidden = output.last_hidden_state[0]
         suffixes = [prompt[shared:] for prompt in prompts]
-        chunks, prompt_hidden = [], [None] * len(prompts)
-        last_logits = None
-        for members in length_chunks([len(prompt) for prompt in prompts]):
-            chunk, hidden = self._prefill_chunk(members, [suffixes[i] for i in members], prefix, shared)
-            chunks.append(chunk)
-            logits = next_token_logits(hidden[:, -1], self.lm_head)
-            if last_logits is None:
-                last_logits = logits.new_empty((len(prompts), logits.shape[-1]))
-            last_logits[members] = logits
+        for group in length_chunks([len(prompt) for prompt in prompts]):
+            past = _Past.empty(len(group))
+            if shared:  # the prefix's keys and values copied to every prompt of the chunk
+                copies = torch.zeros(len(group), dtype=torch.long)
+                cache, mask = select_rows(prefix, torch.ones((1, shared), dtype=torch.long), copies)
+                past = _Past(cache, mask, torch.full((len(group),), shared))
+            hidden = run([indices[k] for k in group], [suffixes[k] for k in group], past)
             width = hidden.shape[1]
-            for row, (index, suffix) in enumerate(zip(members, (suffixes[i] for i in members))):
-                own = hidden[row, width - len(suffix) :]
-                prompt_hidden[index] = own if prefix_hidden is None else torch.cat([prefix_hidden, own])
+            for row, k in enumerate(group):
+                own = hidden[row, width - len(suffixes[k]) :]
+                prompt_hidden[indices[k]] = own if prefix_hidden is None else torch.cat([prefix_hidden, own])
         self.stats.prefill_tokens += shared + sum(len(suffix) for suffix in suffixes)
-        return _Prefill(chunks, last_logits, prompt_hidden)
 
-    def _prefill_chunk(self, members: list[int], suffixes: list[tuple[int, ...]], prefix: RowCache,
-                       shared: int) -> tuple[_PrefillChunk, torch.Tensor]:
-        """One forward over ``suffixes`` (left-padded) after the shared prefix's cache; (chunk, hidden states)."""
+    def _kept_past(self, hits: list[tuple[KeptSequence, int]], suffix_width: int) -> _Past:
+        """The reused keys and values of each prompt of a chunk, right-aligned (left padding masked), in
+        buffers with exactly ``suffix_width`` spare columns: the prefill writes its columns in place, and
+        the prompt shelf that takes the chunk takes these buffers without a copy."""
+        lengths = torch.tensor([length for _, length in hits])
+        width = int(lengths.max())
+        mask = (torch.arange(width) >= width - lengths[:, None]).long()
+        sample = hits[0][0]
+        layers, heads, _, dim = sample.keys.shape
+        keys = sample.keys.new_zeros((layers, len(hits), heads, width + suffix_width, dim))
+        values = sample.values.new_zeros((layers, len(hits), heads, width + suffix_width, sample.values.shape[-1]))
+        for row, (kept, length) in enumerate(hits):
+            keys[:, row, :, width - length : width] = kept.keys[:, :, :length]
+            values[:, row, :, width - length : width] = kept.values[:, :, :length]
+        return _Past(RowCache([ColumnBufferLayer.over(k, v, width) for k, v in zip(keys, values)]), mask, lengths)
+
+    def _keep_prompts(self, chunk: _PrefillChunk, prompts: list[tuple[int, ...]]) -> None:
+        """Keeps each prompt of a prefill chunk with its keys and values: the chunk's real columns, gathered
+        once per layer into one tensor, of which each kept prompt is a view."""
+        mask = chunk.mask.bool()
+        columns = torch.zeros((len(prompts), max(len(prompt) for prompt in prompts)), dtype=torch.long)
+        for row in range(len(prompts)):
+            real = mask[row].nonzero().flatten()
+            columns[row, : len(real)] = real
+        rows = torch.arange(len(prompts))[:, None]
+        first = chunk.cache.layers[0]
+        heads, dim = first.keys.shape[1], first.keys.shape[-1]
+        keys = first.keys.new_empty((len(prompts), len(chunk.cache.layers), heads, columns.shape[1], dim))
+        values = first.values.new_empty((*keys.shape[:-1], first.values.shape[-1]))
+        for number, layer in enumerate(chunk.cache.layers):
+            keys[:, number] = layer.keys[rows, :, columns].transpose(1, 2)
+            values[:, number] = layer.values[rows, :, columns].transpose(1, 2)
+        for row, prompt in enumerate(prompts):  # a row's real columns are its prompt's tokens, in order
+            self.prefixes.keep(self.weights, prompt, keys[row, :, :, : len(prompt)], values[row, :, :, : len(prompt)])
+
+    def _prefill_chunk(self, members: list[int], suffixes: list[tuple[int, ...]],
+                       past: _Past) -> tuple[_PrefillChunk, torch.Tensor]:
+        """One forward over ``suffixes`` (left-padded) after each row's ``past``; (chunk, hidden states)."""
         count = len(suffixes)
-        cache = RowCache()
-        if shared:  # the prefix's keys and values copied to every prompt of the chunk
-            prefix_mask = torch.ones((1, shared), dtype=torch.long)
-            cache, _ = select_rows(prefix, prefix_mask, torch.zeros(count, dtype=torch.long))
         width = max(len(suffix) for suffix in suffixes)
         input_ids = torch.full((count, width), self.pad_token_id, dtype=torch.long)
         suffix_mask = torch.zeros((count, width), dtype=torch.long)
         for index, suffix in enumerate(suffixes):
             input_ids[index, width - len(suffix) :] = torch.tensor(suffix, dtype=torch.long)
             suffix_mask[index, width - len(suffix) :] = 1
-        # Left padding sits between the shared prefix and each suffix; the mask hides it and the explicit
-        # positions keep every real token where it would be without padding.
-        positions = shared + (suffix_mask.cumsum(-1) - 1).clamp(min=0)
-        mask = torch.cat([torch.ones((count, shared), dtype=torch.long), suffix_mask], dim=1)
+        # Left padding sits between the past and each suffix; the mask hides it and the explicit positions
+        # keep every real token where it would be without padding.
+        positions = past.lengths[:, None] + (suffix_mask.cumsum(-1) - 1).clamp(min=0)
+        mask = torch.cat([past.mask, suffix_mask], dim=1)
         output = self.decoder(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=past.cache, use_cache=True
         )
         self.stats.prefill_padding += count * width - sum(len(suffix) for suffix in suffixes)
-        return _PrefillChunk(members, cache, mask), output.last_hidden_state
+        return _PrefillChunk(members, past.cache, mask), output.last_hidden_state
 
     def _prompt_logprobs(self, hidden: torch.Tensor, spec: SampleSpec) -> list[float | None]:
         targets = torch.tensor(spec.prompt_tokens[1:], dtype=torch.long)

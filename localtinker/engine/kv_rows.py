@@ -25,6 +25,16 @@ class ColumnBufferLayer(DynamicLayer):
         if keys is not None and values is not None:
             self._adopt(keys, values)
 
+    @classmethod
+    def over(cls, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int) -> ColumnBufferLayer:
+        """A layer over these buffers (no copy): their first ``length`` columns are its keys and values,
+        the rest spare. A buffer sized exactly for what will be written makes no copy at all."""
+        layer = cls()
+        layer._key_buffer, layer._value_buffer = key_buffer, value_buffer
+        layer.keys, layer.values = key_buffer[:, :, :length], value_buffer[:, :, :length]
+        layer.dtype, layer.device, layer.is_initialized = key_buffer.dtype, key_buffer.device, True
+        return layer
+
     def _adopt(self, keys: torch.Tensor, values: torch.Tensor, spare: int = SPARE_COLUMNS) -> None:
         rows, heads, length, dim = keys.shape
         self._key_buffer = keys.new_empty((rows, heads, length + spare, dim))

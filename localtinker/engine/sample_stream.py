@@ -14,6 +14,10 @@ a time. When the keys and values actually stored outgrow the budget (by the ``PA
 cache's padding may take), the newest request is *preempted*: its rows leave, it goes back to the front
 of the queue, and nothing more is admitted until some request completes. It starts over from its seed
 (fixed at submission when the request has none), so it returns what it would have returned unpreempted.
+
+The stream owns the :class:`PrefixStore` its batches share: a conversation's next turn usually arrives after
+its batch has drained, so the keys and values of earlier turns are kept here, per weights, with a budget of
+their own (``prefix_store.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 
 from localtinker.engine.api import EngineUserError, SampleResult, SampleSpec
 from localtinker.engine.decode_batch import DecodeBatch, SamplingStats
+from localtinker.engine.prefix_store import PrefixStore
 
 # Σ (prompt + samples × min(max_tokens, RESERVED_TOKENS_PER_SAMPLE)) admitted at once (a prompt's keys
 # are stored once for its samples, shared_prompt_kv.py): bounds KV-cache memory (~46 KB per token on
@@ -82,8 +87,10 @@ class _Group:
 
 class SampleStream:
     def __init__(self, backend: SamplingBackend, budget_tokens: int = SAMPLE_BATCH_TOKENS,
-                 reserved_tokens_per_sample: int = RESERVED_TOKENS_PER_SAMPLE) -> None:
+                 reserved_tokens_per_sample: int = RESERVED_TOKENS_PER_SAMPLE,
+                 prefix_budget_tokens: int | None = None) -> None:
         self.backend = backend
+        self.prefixes = PrefixStore(prefix_budget_tokens)  # outlives batches: a conversation's turns come apart
         self.budget_tokens = budget_tokens
         self.reserved_tokens_per_sample = reserved_tokens_per_sample
         self.stats = SamplingStats()
@@ -182,7 +189,8 @@ class SampleStream:
         try:
             if group is None:
                 target = self.backend.sampling_target(admitted[0].sampler_id)
-                batch = DecodeBatch(target.model, target.tokenizer, target.eos_token_ids, target.pad_token_id, self.stats)
+                batch = DecodeBatch(target.model, target.tokenizer, target.eos_token_ids, target.pad_token_id, self.stats,
+                                    self.prefixes, weights)
                 group = self._groups[weights] = _Group(target, batch, set())
             group.keys.update(p.key for p in admitted)
             with group.target.activate():

@@ -251,6 +251,28 @@ class SharedPromptCache(DynamicCache):
         self.prompt_of_row = torch.cat([self.prompt_of_row, prompt_ids])
         self._changed()
 
+    def row_keys_values(self, row: int, own_columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[layers, key heads, columns, dim]`` of row ``row``'s real columns: its prompt's,
+        then its first ``own_columns`` own ones (a finished row's later columns are stale). A copy."""
+        prompt = int(self.prompt_of_row[row])
+        shelf, slot = int(self.shelf_of_prompt[prompt]), int(self.slot_of_prompt[prompt])
+        prompt_columns = self.prompt_masks[shelf][slot].nonzero().flatten()
+        number, cohort = next((n, c) for n, c in enumerate(self.cohorts) if c.start <= row < c.stop)
+        local = row - cohort.start
+        own = torch.arange(cohort.columns) if cohort.mask is None else cohort.mask[local].nonzero().flatten()
+        own = own[:own_columns]
+        width = len(prompt_columns) + len(own)
+        sample_keys, sample_values = self.layers[0].prompt_keys[shelf], self.layers[0].prompt_values[shelf]
+        keys = sample_keys.new_empty((len(self.layers), sample_keys.shape[1], width, sample_keys.shape[-1]))
+        values = sample_values.new_empty((*keys.shape[:-1], sample_values.shape[-1]))
+        for index, layer in enumerate(self.layers):
+            held = layer.own[number]
+            keys[index, :, : len(prompt_columns)] = layer.prompt_keys[shelf][slot][:, prompt_columns]
+            keys[index, :, len(prompt_columns) :] = held.keys[local][:, own]
+            values[index, :, : len(prompt_columns)] = layer.prompt_values[shelf][slot][:, prompt_columns]
+            values[index, :, len(prompt_columns) :] = held.values[local][:, own]
+        return keys, values
+
     def open_column(self) -> None:
         """Before a decode step: every row attends to the column the step is about to write."""
         for cohort in self.cohorts:

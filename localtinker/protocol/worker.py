@@ -199,6 +199,12 @@ class EngineWorker:
             self._samples.append(job)
             self._cond.notify_all()
 
+    @property
+    def sampling_stats(self) -> Any:
+        """The sample stream's counters (``SamplingStats``: prefilled and reused prompt tokens, decode steps,
+        preemptions ...), or None for an engine without a stream. Read-only; for benchmarks and diagnostics."""
+        return getattr(self._stream, "stats", None)
+
     def queue_depth(self) -> dict[str, int]:
         with self._cond:
             return {

@@ -113,3 +113,25 @@ def test_omitted_max_tokens_samples_until_eos_past_16_tokens(service_client: tin
     result = sampler.sample(PROMPT, num_samples=8, sampling_params=params).result()
     assert all(s.stop_reason == "stop" and s.tokens[-1] == eos for s in result.sequences)
     assert max(len(s.tokens) for s in result.sequences) > 16
+
+
+def test_a_conversation_through_the_sdk_reuses_its_earlier_turns_and_still_scores_like_the_trainer(
+    tinker_server, service_client: tinker.ServiceClient
+) -> None:
+    """Each turn sends the whole conversation; the server prefills only what it has not computed before."""
+    trainer = _trained(service_client, seed=5)
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    stats = tinker_server.service.worker.sampling_stats
+    reused_before = stats.reused_prefix_tokens
+    conversation = list(range(600, 640))
+    params = types.SamplingParams(max_tokens=5, seed=21, temperature=1.0, stop=[])
+    for observation in ([], [3, 4, 5], [6, 7]):
+        conversation += observation
+        prompt = types.ModelInput.from_ints(conversation)
+        sequence = sampler.sample(prompt, num_samples=1, sampling_params=params).result().sequences[0]
+        full = conversation + sequence.tokens
+        trained = _forward_logprobs(trainer, full)[-len(sequence.tokens) :]
+        np.testing.assert_allclose(sequence.logprobs, trained, atol=1e-4)
+        conversation = full
+    # turn 2 reuses turn 1's 40-token prompt; turn 3 turn 2's 48-token prompt and 4 of its 5 sampled tokens
+    assert stats.reused_prefix_tokens - reused_before == 40 + 48 + 4

@@ -62,3 +62,24 @@ def test_bf16_sampler_agrees_with_trainer(bf16_engine):
         datum = DatumArrays(tokens=np.array(full[:-1]), loss_fn_inputs={"target_tokens": np.array(full[1:])})
         learner = bf16_engine.forward_backward("bf16:train:0", [datum], "cross_entropy", None, True)
         np.testing.assert_allclose(learner.loss_fn_outputs[0]["logprobs"][-6:], sequence.logprobs, atol=tolerance)
+
+
+def test_bf16_turns_that_reuse_kept_keys_agree_with_the_trainer_as_closely(bf16_engine):
+    """Keys and values kept from an earlier turn (prefix_store.py) are the ones a prefill would compute."""
+    bf16_engine.create_ephemeral_sampler("bf16-conversation", "bf16:train:0")
+    stream = bf16_engine.sample_stream()
+    tolerance = 0.2 if bf16_matmul_is_fast() else 1e-4
+    prompt = tuple(range(100, 136))
+    for turn in range(3):
+        spec = SampleSpec(prompt_tokens=prompt, max_tokens=6, seed=turn, stop_token_ids=())
+        stream.submit(turn, "bf16-conversation", spec)
+        results = {}
+        while stream.busy:
+            results.update(stream.step())
+        sequence = results[turn].sequences[0]
+        full = list(prompt) + sequence.tokens
+        datum = DatumArrays(tokens=np.array(full[:-1]), loss_fn_inputs={"target_tokens": np.array(full[1:])})
+        learner = bf16_engine.forward_backward("bf16:train:0", [datum], "cross_entropy", None, True)
+        np.testing.assert_allclose(learner.loss_fn_outputs[0]["logprobs"][-6:], sequence.logprobs, atol=tolerance)
+        prompt = prompt + tuple(sequence.tokens) + (7, 8, 9)
+    assert stream.stats.reused_prefix_tokens == 36 + (36 + 6 + 3 + 5)

@@ -229,3 +229,71 @@ def test_a_bad_request_fails_alone_at_the_next_step(engine, samplers):
     assert isinstance(results["bad"], EngineUserError) and "outside the vocabulary" in str(results["bad"])
     assert isinstance(results["unknown"], EngineUserError)
     assert len(results["good"].sequences[0].tokens) == 2
+
+
+def next_turn(stream: SampleStream, sampler: str, prompt: tuple[int, ...], seed: int,
+              num_samples: int = 1) -> tuple[SampleSpec, SampleResult]:
+    request = spec(prompt, seed=seed, max_tokens=7, num_samples=num_samples)
+    stream.submit(f"turn-{seed}", sampler, request)
+    (result,) = run_to_end(stream).values()
+    return request, result
+
+
+def converse(stream: SampleStream, sampler: str, first: tuple[int, ...], observations: list[tuple[int, ...]],
+             num_samples: int = 1) -> list[tuple[SampleSpec, SampleResult]]:
+    """A multi-turn episode: each turn's prompt is the last prompt + its first sample's tokens + an observation."""
+    turns = [next_turn(stream, sampler, first, 60, num_samples)]
+    for seed, observation in enumerate(observations, start=61):
+        request, result = turns[-1]
+        prompt = request.prompt_tokens + tuple(result.sequences[0].tokens) + observation
+        turns.append(next_turn(stream, sampler, prompt, seed, num_samples))
+    return turns
+
+
+def test_each_turn_of_a_conversation_prefills_only_what_the_last_turn_did_not_compute(engine, samplers):
+    """Turn 2 reuses turn 1's prompt; turn 3 turn 2's prompt and completion (all but its last token)."""
+    lora, _ = samplers
+    first, observations = tuple(range(100, 140)), [(7, 8, 9, 10, 11), (12, 13, 14)]
+    stream = engine.sample_stream()
+    prefilled, reused = [], []
+    turns = converse(stream, lora, first, [], num_samples=2)
+    prefilled.append(stream.stats.prefill_tokens)
+    for seed, observation in enumerate(observations, start=61):
+        before = (stream.stats.prefill_tokens, stream.stats.reused_prefix_tokens)
+        request, result = turns[-1]
+        prompt = request.prompt_tokens + tuple(result.sequences[0].tokens) + observation
+        turns.append(next_turn(stream, lora, prompt, seed, num_samples=2))
+        prefilled.append(stream.stats.prefill_tokens - before[0])
+        reused.append(stream.stats.reused_prefix_tokens - before[1])
+    assert reused == [len(first), len(turns[1][0].prompt_tokens) + 7 - 1]
+    assert prefilled == [len(first), 7 + 5, 1 + 3]
+    for request, result in turns:
+        assert_same(result, alone(engine, lora, request))
+
+
+def test_a_conversation_samples_what_it_would_with_the_prefix_store_off(engine, samplers):
+    lora, base = samplers
+    first, observations = tuple(range(200, 237)), [(5, 6, 7), (8,), (9, 10)]
+    for sampler in (lora, base):
+        kept_stream, off_stream = engine.sample_stream(), SampleStream(engine, prefix_budget_tokens=0)
+        kept = converse(kept_stream, sampler, first, observations)
+        off = converse(off_stream, sampler, first, observations)
+        assert kept_stream.stats.reused_prefix_tokens > 0
+        assert off_stream.stats.reused_prefix_tokens == 0
+        for (request, result), (request_off, result_off) in zip(kept, off):
+            assert request.prompt_tokens == request_off.prompt_tokens
+            assert_same(result, result_off)
+
+
+def test_a_prompt_asking_for_prompt_logprobs_is_prefilled_whole(engine, samplers):
+    lora, _ = samplers
+    stream = engine.sample_stream()
+    first = tuple(range(300, 340))
+    stream.submit("first", lora, spec(first, seed=1))
+    run_to_end(stream)
+    request = spec(first + (1, 2, 3), seed=2, prompt_logprobs=True)
+    stream.submit("with-logprobs", lora, request)
+    (result,) = run_to_end(stream).values()
+    assert stream.stats.reused_prefix_tokens == 0
+    expected = alone(engine, lora, request)
+    np.testing.assert_allclose(result.prompt_logprobs[1:], expected.prompt_logprobs[1:], atol=1e-5)
