@@ -69,6 +69,13 @@ class KeptSequence:
     proven: bool = False  # a continuation's sample, or extended by a later request
 
 
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy of it when it is a view of a larger buffer. A kept prompt is a view of its prefill
+    chunk's one gather (cheap while its neighbours are kept too); a sequence that may outlive them (a proven
+    one) must not keep that whole buffer alive uncounted."""
+    return tensor if tensor.untyped_storage().nbytes() <= tensor.nbytes else tensor.clone()
+
+
 def block_hashes(tokens: Sequence[int], limit: int | None = None) -> list[int]:
     """Chained hashes of the first ``limit`` tokens' whole blocks: entry ``k`` names ``tokens[:16 (k + 1)]``."""
     count = len(tokens) if limit is None else min(limit, len(tokens))
@@ -142,6 +149,8 @@ class PrefixStore:
                         return
                     proven = proven or held.proven
                     self._forget(held)
+        if proven:
+            keys, values = own_storage(keys), own_storage(values)
         kept = KeptSequence(weights, tokens, keys, values, hashes, proven)
         self._orders[proven][id(kept)] = kept
         for block_hash in hashes:
@@ -159,6 +168,7 @@ class PrefixStore:
         if proven and not kept.proven:
             del self._orders[False][id(kept)]
             kept.proven = True
+            kept.keys, kept.values = own_storage(kept.keys), own_storage(kept.values)
             self._orders[True][id(kept)] = kept
             self.unproven_tokens -= len(kept.tokens)
         self._orders[kept.proven].move_to_end(id(kept))

@@ -109,3 +109,23 @@ def test_a_bad_budget_in_the_environment_says_what_to_give(monkeypatch, value):
     monkeypatch.setenv(ENV_BUDGET, value)
     with pytest.raises(ValueError, match=f"{ENV_BUDGET}=.*number of tokens >= 0"):
         budget_from_env()
+
+
+def test_a_proven_sequence_does_not_keep_its_prefill_chunks_buffer_alive():
+    """Kept prompts are views of one gather per prefill chunk; one that turns proven may outlive its
+    neighbours, so it gets storage of its own (else the whole chunk's keys stay alive, uncounted)."""
+    store = PrefixStore(10_000)
+    prompts = [tuple(range(start, start + 40)) for start in (0, 1000, 2000)]
+    chunk_keys = torch.stack([kv(prompt)[0] for prompt in prompts])
+    chunk_values = torch.stack([kv(prompt)[1] for prompt in prompts])
+    for row, prompt in enumerate(prompts):
+        store.keep("w", prompt, chunk_keys[row], chunk_values[row], proven=False)
+    found, _ = store.longest_prefix("w", prompts[1] + (1,))
+    assert found.keys.untyped_storage().nbytes() == found.keys.nbytes
+    assert found.values.untyped_storage().nbytes() == found.values.nbytes
+    assert torch.equal(found.keys, chunk_keys[1]) and torch.equal(found.values, chunk_values[1])
+    unproven, _ = store.longest_prefix("w", prompts[2] + (1,))  # promoted as well: each gets its own copy
+    assert unproven.keys.data_ptr() != chunk_keys[2].data_ptr()
+    store.keep("w", tuple(range(5000, 5040)), chunk_keys[0], chunk_values[0], proven=True)
+    (kept,) = [k for k in store._orders[True].values() if k.tokens[0] == 5000]
+    assert kept.keys.untyped_storage().nbytes() == kept.keys.nbytes
