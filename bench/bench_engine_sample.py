@@ -5,7 +5,7 @@ temperature 1, no early stop (stop ids disabled) so every side produces exactly 
 Baselines: one batched left-padded ``generate(do_sample=True)`` call on the fp32 model, plain and
 under ``torch.autocast(bfloat16)``; ours: one ``sample_batch`` with the 32 requests, engine float32
 (the default) and bfloat16. All alternate in one process. Prints new tokens/s, achieved GFLOP/s of
-the useful work (bench/measure.py) against a torch.mm peak measured in the run, and
+the useful work (bench/measure.py) against a matmul peak measured in the run, and
 ``ratio = ours / the faster baseline``, ours in that baseline's precision (goal >= 1.5); also the sampler-vs-trainer logprob gap.
 
 Usage: ``python bench/bench_engine_sample.py [--repeats 2]``

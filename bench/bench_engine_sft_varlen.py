@@ -7,7 +7,7 @@ writes (``per_device_batch_size=4`` with 4 accumulation steps: each micro-batch 
 padded to its longest, pads masked and labelled -100), float32 and under bf16 autocast; ours: one
 ``forward_backward`` of the 16 datums + ``optim_step`` on ``LocalEngine`` float32 (the default),
 which orders rows by length before micro-batching so it computes little padding. Prints real
-tokens/s, padding computed, GFLOP/s of the real work against a torch.mm peak measured in the run, and
+tokens/s, padding computed, GFLOP/s of the real work against a matmul peak measured in the run, and
 ``ratio = ours / the faster baseline`` (goal >= 1.5).
 
 Usage: ``python bench/bench_engine_sft_varlen.py [--steps 2]``

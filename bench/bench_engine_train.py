@@ -5,7 +5,7 @@ on all linear layers + the unembedding, one AdamW step per batch. Baselines: the
 would write (fp32 model + peft, ``model(input_ids, labels=...)``, ``torch.optim.AdamW``), plain float32
 and under ``torch.autocast(bfloat16)``. Ours: ``LocalEngine`` float32 (the default) and bfloat16. All
 run in this process, alternating, so machine load hits them alike. Prints tokens/s, GFLOP/s against a
-torch.mm peak measured in the run (bench/measure.py), and ``ratio = ours / the faster baseline``, ours in
+matmul peak measured in the run (bench/measure.py), and ``ratio = ours / the faster baseline``, ours in
 that baseline's precision (float32, or bfloat16 where native bf16 makes autocast the faster baseline).
 Variable-length chat batches: bench_engine_sft_varlen.py.
 

@@ -6,7 +6,7 @@ temperature 1, no early stop. Ours: the 64 ``sample`` futures submitted at once 
 does), so the server prefills each prompt once and decodes all 512 rows together. Baselines, in the
 same process: (a) the same 64 requests one at a time through the SDK; (b) ``model.generate(
 num_return_sequences=8)`` batched over the 64 prompts, float32 and bf16 autocast (the faster counts).
-Prints samples/s, achieved GFLOP/s against a torch.mm peak measured in the run, and the ratios
+Prints samples/s, achieved GFLOP/s against a matmul peak measured in the run, and the ratios
 (goals: >= 4 over (a), >= 2.5 over (b)). Also, no goal: ours again with prompt 0 replaced by a
 ~1000-token one, as a time ratio to the uniform run (1.0 would be free; the cache stores prompts by
 width class so that the short ones are not padded to the long one).
