@@ -14,9 +14,9 @@ requests go at once (an RL loop's episodes in step). Sides, one after the other 
   autocast, the faster counting — what a plain loop does.
 
 Prints per-turn seconds, new tokens/s, achieved GFLOP/s of the useful work (each turn's new positions
-only: the conversation so far was computed at an earlier turn) against a matmul peak (``torch.mm`` or oneDNN packed, the faster) measured in
-the run, the server's prefilled and reused prompt tokens, and the ratios ours / faster baseline and
-ours / ours with the store off. No goal in the issue; reported.
+only: the conversation so far was computed at an earlier turn) against a matmul peak (``torch.mm`` or
+oneDNN packed, the faster) measured in the run, the server's prefilled and reused prompt tokens, and the
+ratios ours / faster baseline and ours / ours with the store off. No goal in the issue; reported.
 
 Usage: ``python bench/bench_multiturn_sampling.py [--threads 1] [--episodes 32] [--turns 5]``
 """

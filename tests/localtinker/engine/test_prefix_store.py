@@ -124,8 +124,8 @@ def test_a_proven_sequence_does_not_keep_its_prefill_chunks_buffer_alive():
     assert found.keys.untyped_storage().nbytes() == found.keys.nbytes
     assert found.values.untyped_storage().nbytes() == found.values.nbytes
     assert torch.equal(found.keys, chunk_keys[1]) and torch.equal(found.values, chunk_values[1])
-    unproven, _ = store.longest_prefix("w", prompts[2] + (1,))  # promoted as well: each gets its own copy
-    assert unproven.keys.data_ptr() != chunk_keys[2].data_ptr()
+    promoted, _ = store.longest_prefix("w", prompts[2] + (1,))  # promoted as well: each gets its own copy
+    assert promoted.keys.data_ptr() != chunk_keys[2].data_ptr()
     store.keep("w", tuple(range(5000, 5040)), chunk_keys[0], chunk_values[0], proven=True)
     (kept,) = [k for k in store._orders[True].values() if k.tokens[0] == 5000]
     assert kept.keys.untyped_storage().nbytes() == kept.keys.nbytes
