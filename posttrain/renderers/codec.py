@@ -27,6 +27,14 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 logger = logging.getLogger(__name__)
 GPT2_PRETOKENIZE_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+QWEN2_PRETOKENIZE_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# Patterns under which a text whose only whitespace is single spaces between non-space runs splits
+# exactly as its space-led runs split one by one: no alternative can take a space except as a match's
+# first character, so no match crosses a space, and the only lookahead (``(?!\S)``) follows whitespace,
+# which such a run has only at its start. (Tested against each tokenizer's own encoding.)
+_SPACE_SEPARABLE_PATTERNS = frozenset({GPT2_PRETOKENIZE_PATTERN, QWEN2_PRETOKENIZE_PATTERN})
 _SPOT_CHECKS = 48
 _WORD_CACHE_LIMIT = 1_000_000
 
@@ -131,14 +139,21 @@ class WordCachedBPE:
     seen before (most of them, in a dataset) can reuse its ids. We split with the same regex, look the
     piece up, and only call the tokenizer's own BPE model for unseen pieces. Used only when the
     tokenizer is exactly [optional NFC] + regex split + byte-level + BPE; callers spot-check it.
+
+    Under the usual patterns (``_SPACE_SEPARABLE_PATTERNS``) most texts need no regex at all: when a
+    text's only whitespace is single spaces between words, ``str.split(" ")`` cuts it where the regex
+    would also cut, and each space-led run (``" word,"``) is looked up whole. The regex ran at ~60% of
+    the content encoding time of a 10,000-conversation dataset.
     """
 
     def __init__(self, model: Any, pattern: str, nfc: bool):
         self._model = model
         self._split = regex.compile(pattern).findall
+        self._space_separable = pattern in _SPACE_SEPARABLE_PATTERNS
         self._nfc = nfc
         self._byte_chars = [bytes_to_unicode()[byte] for byte in range(256)]
         self._cache: dict[str, list[int]] = {}
+        self._runs: dict[str, list[int]] = {}  # a whole space-led run (or a text's first run) -> its ids
 
     @classmethod
     def for_config(cls, config: dict, backend: BackendTokenizer) -> WordCachedBPE | None:
@@ -166,22 +181,40 @@ class WordCachedBPE:
         return cls(backend.model, pattern, nfc=normalizer is not None)
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
-        cache, split, model, byte_chars = self._cache, self._split, self._model, self._byte_chars
-        if len(cache) > _WORD_CACHE_LIMIT:
-            cache.clear()
+        if len(self._cache) + len(self._runs) > _WORD_CACHE_LIMIT:
+            self._cache.clear()
+            self._runs.clear()
+        runs, encode_run, encode_text = self._runs, self._encode_run, self._encode_by_regex
         results = []
         for text in texts:
             if self._nfc:
                 text = unicodedata.normalize("NFC", text)
-            ids: list[int] = []
-            for word in split(text):
-                word_ids = cache.get(word)
-                if word_ids is None:
-                    mapped = "".join(byte_chars[byte] for byte in word.encode("utf-8"))
-                    word_ids = cache[word] = [token.id for token in model.tokenize(mapped)]
-                ids += word_ids
+            chunks = text.split(" ")
+            if not self._space_separable or chunks != text.split():
+                results.append(encode_text(text))
+                continue
+            first = chunks[0]
+            ids = list(runs.get(first) or encode_run(first))
+            for chunk in chunks[1:]:
+                run = " " + chunk
+                ids += runs.get(run) or encode_run(run)
             results.append(ids)
         return results
+
+    def _encode_run(self, run: str) -> list[int]:
+        ids = self._runs[run] = self._encode_by_regex(run)
+        return ids
+
+    def _encode_by_regex(self, text: str) -> list[int]:
+        cache, model, byte_chars = self._cache, self._model, self._byte_chars
+        ids: list[int] = []
+        for word in self._split(text):
+            word_ids = cache.get(word)
+            if word_ids is None:
+                mapped = "".join(byte_chars[byte] for byte in word.encode("utf-8"))
+                word_ids = cache[word] = [token.id for token in model.tokenize(mapped)]
+            ids += word_ids
+        return ids
 
 
 class TmlCodec:

@@ -92,3 +92,39 @@ def test_word_cache_falls_back_to_the_tokenizer_when_a_spot_check_disagrees(smol
     codec._words.encode_many = lambda batch: [[0] for _ in batch]  # a broken cache
     assert codec.encode_content_batch(texts) == exact
     assert codec._words is None
+
+
+def _tricky_texts(seed: int, count: int) -> list[str]:
+    """Texts built to break a split at spaces: contractions, digits, punctuation next to spaces, non-Latin
+    scripts, combining marks (NFC), and every kind of whitespace run (double, leading, trailing, newline,
+    tab, no-break and ideographic spaces) — most texts have none, as in real data."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["it's", "we'll", "I'M", "don't", "3.14", "12345", "x+y", "(a)", "--", "...", "café", "cafe\u0301",
+             "naïve", "世界", "数据", "Привет", "😀", "'s", "'", "a'b", "<|im_end|>", "foo_bar", "1st", "?!"]
+    spaces = ["  ", "   ", "\n", " \n", "\n ", "\t", "\u00a0", "\u3000", " \n\n "]
+    texts = []
+    for _ in range(count):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
+        if rng.random() < 0.3:
+            cut = rng.randrange(len(text) + 1)
+            text = text[:cut] + rng.choice(spaces) + text[cut:]
+        if rng.random() < 0.1:
+            text = rng.choice([" ", "\n"]) + text if rng.random() < 0.5 else text + rng.choice([" ", "\n"])
+        texts.append(text)
+    return texts + ["", " ", "  ", "\n", "a", " a", "a "]
+
+
+@pytest.mark.parametrize("tokenizer_fixture", ["smollm2_tokenizer", "qwen3_tokenizer"])
+def test_word_cache_with_its_space_split_equals_the_tokenizer_on_every_text(tokenizer_fixture, request):
+    from posttrain.renderers.codec import HuggingFaceCodec
+
+    codec = HuggingFaceCodec(request.getfixturevalue(tokenizer_fixture))
+    assert codec._words is not None and codec._words._space_separable
+    texts = _tricky_texts(seed=13, count=600)
+    for attempt in range(2):  # cold, then every run and word cached
+        encoded = codec._words.encode_many(texts)  # the cache itself, not the spot-checked wrapper
+        for text, ids in zip(texts, encoded, strict=True):
+            assert ids == codec.encode_content(text), f"{text!r} (pass {attempt})"
+    assert " it's" in codec._words._runs and len(codec._words._runs) > 30  # the space split did the work
