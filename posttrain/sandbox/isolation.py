@@ -81,10 +81,11 @@ def choose_isolation(allow_rlimit_only: bool | None) -> str:
     )
 
 
-def launch_for(isolation: str, host_dir: Path, spec_fd: int, limits: Limits) -> Launch:
+def launch_for(isolation: str, host_dir: Path, spec_fd: int, limits: Limits, harness_name: str) -> Launch:
+    """How to start the interpreter on ``host_dir/harness_name`` (already written there)."""
     python = sandbox_python()
     if isolation == BWRAP:
-        argv = _bwrap_argv(host_dir, limits) + [python, "-I", "-S", "-B", f"{SANDBOX_DIR}/harness.py", str(spec_fd)]
+        argv = _bwrap_argv(host_dir, limits) + [python, "-I", "-S", "-B", f"{SANDBOX_DIR}/{harness_name}", str(spec_fd)]
         as_root = os.geteuid() == 0
         setpriv = shutil.which("setpriv") if as_root else None
         if setpriv:
@@ -98,7 +99,7 @@ def launch_for(isolation: str, host_dir: Path, spec_fd: int, limits: Limits) -> 
     )
     work = host_dir / "work"
     work.mkdir(exist_ok=True)
-    argv = [python, "-I", "-S", "-B", str(host_dir / "harness.py"), str(spec_fd)]
+    argv = [python, "-I", "-S", "-B", str(host_dir / harness_name), str(spec_fd)]
     return Launch(argv, str(host_dir / "program.py"), str(work), False, RLIMIT_ONLY)
 
 

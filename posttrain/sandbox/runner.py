@@ -21,11 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from posttrain.sandbox.isolation import CLEAN_ENV, NOBODY, Launch, choose_isolation, launch_for
+from posttrain.sandbox.harness_code import harness_file
+from posttrain.sandbox.isolation import CLEAN_ENV, NOBODY, Launch, choose_isolation, launch_for, sandbox_python
 from posttrain.sandbox.limits import Limits
 from posttrain.sandbox.result import ExecutionResult, Status
 
-HARNESS_SOURCE = (Path(__file__).parent / "harness_script.py").read_text(encoding="utf-8")
 EXIT_MEMORY = 3
 BAD_SPEC_MARKER = b"[harness] bad harness input"
 POLL_INTERVAL_S = 0.05
@@ -109,11 +109,12 @@ def _run(
     host_dir = Path(tempfile.mkdtemp(prefix="posttrain-sandbox-"))
     spec_read, spec_write = os.pipe()
     try:
-        _write(host_dir / "harness.py", HARNESS_SOURCE)
+        harness = harness_file(sandbox_python())
+        _write_bytes(host_dir / harness.name, harness.content)
         _write(host_dir / "program.py", program)
         _write(host_dir / "stdin.txt", stdin)
         host_dir.chmod(0o755)  # bubblewrap may run as `nobody` and must read these files
-        launch = launch_for(isolation, host_dir, spec_read, limits)
+        launch = launch_for(isolation, host_dir, spec_read, limits, harness.name)
         sentinel = f"posttrain-sandbox-done-{secrets.token_hex(16)}"
         spec = {**spec, "limits": limits.harness_limits(), "program_path": launch.program_path, "sentinel": sentinel}
         started = time.monotonic()
@@ -138,7 +139,11 @@ def _run(
 
 
 def _write(path: Path, text: str) -> None:
-    path.write_text(text, encoding="utf-8")
+    _write_bytes(path, text.encode("utf-8"))
+
+
+def _write_bytes(path: Path, content: bytes) -> None:
+    path.write_bytes(content)
     path.chmod(0o644)
 
 

@@ -54,7 +54,7 @@ def test_stdin_cases():
     assert run_stdin_tests("a, b = map(int, input().split())\nprint(a + b)", cases, **FAST).status == "passed"
     wrong = run_stdin_tests("a, b = map(int, input().split())\nprint(a - b)", cases, **FAST)
     assert wrong.status == "failed" and "case 0" in wrong.stderr_tail
-    peek = run_stdin_tests("import glob; print(glob.glob('/sandbox/*'))", [StdinCase("", "['/sandbox/harness.py', '/sandbox/program.py', '/sandbox/stdin.txt']")], **FAST)
+    peek = run_stdin_tests("import glob; print(glob.glob('/sandbox/*'))", [StdinCase("", "['/sandbox/harness.pyc', '/sandbox/program.py', '/sandbox/stdin.txt']")], **FAST)
     assert peek.status == "passed"  # the expected outputs are not on the sandbox's disk
     with pytest.raises(ValueError, match="no cases"):
         run_stdin_tests("print(1)", [], **FAST)
@@ -103,3 +103,9 @@ def test_a_failure_to_switch_to_nobody_is_a_sandbox_error(monkeypatch, tmp_path)
     result = run_python("print(1)", **FAST)
     assert result.status == "sandbox_error", result
     assert "setpriv" in result.stderr_tail
+
+
+def test_default_pool_has_one_worker_more_than_the_cores(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 6)
+    with SandboxPool() as pool:
+        assert pool.max_workers == 7

@@ -46,7 +46,7 @@ def test_fork_bomb():
     grade = attack("import os\nwhile True:\n    os.fork()\n", timeout_s=10)
     assert_contained(grade)
     assert time.monotonic() - started < 12
-    assert_nothing_survives("/sandbox/harness.py", before)
+    assert_nothing_survives("/sandbox/harness.pyc", before)
     assert_next_run_works()
 
 
@@ -63,7 +63,7 @@ def test_the_candidate_runs_as_nobody_without_capabilities(monkeypatch, has_setp
         which = shutil.which
         monkeypatch.setattr(shutil, "which", lambda name, *args, **kw: None if name == "setpriv" else which(name, *args, **kw))
     root = os.geteuid() == 0
-    launch = isolation.launch_for(isolation.BWRAP, Path("/sandbox-host-dir"), 3, Limits(timeout_s=5, memory_mb=256))
+    launch = isolation.launch_for(isolation.BWRAP, Path("/sandbox-host-dir"), 3, Limits(timeout_s=5, memory_mb=256), "harness.pyc")
     assert launch.run_as_nobody == (root and not has_setpriv)
     assert (Path(launch.argv[0]).name == "setpriv") == (root and has_setpriv)
     code = (
@@ -121,7 +121,7 @@ def test_sleep_loop_is_stopped_by_the_wall_clock():
     grade = attack("import time\nwhile True:\n    time.sleep(0.1)\n", timeout_s=1.5)
     assert_contained(grade)
     assert grade.status == "timeout" and time.monotonic() - started < 5
-    assert_nothing_survives("/sandbox/harness.py", before)
+    assert_nothing_survives("/sandbox/harness.pyc", before)
     assert_next_run_works()
 
 
