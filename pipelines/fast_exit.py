@@ -1,0 +1,34 @@
+"""Run processes skip the interpreter's garbage collection at exit.
+
+Python's finalization runs full cyclic collections over every object still alive, and a Dagster run
+process holds a lot of them (Dagster, MLflow, SQLAlchemy, transformers and torch modules): measured
+(2026-11-25, Zen 5 EPYC, the 16-step SFT chain through ``dagster job execute``) the process spent 3.7 s
+between RUN_SUCCESS and its exit, all of it in ``gc_collect_main`` (``py-spy dump --native``). Those
+collections free nothing that matters: the process is ending and the OS takes its memory back.
+
+So an exit handler moves every live object into the collector's permanent generation
+(``gc.freeze()``), which finalization's collections skip. It is registered when ``pipelines`` is
+imported, before MLflow, the tinker SDK or logging's late handlers, and exit handlers run last-in
+first-out: theirs (MLflow's flush, temporary directories' cleanup, stopping the embedded server) still
+run first. Objects are still released by reference count as modules are torn down; only garbage
+caught in reference cycles is left to the OS.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+
+_registered = False
+
+
+def _freeze_at_exit() -> None:
+    gc.freeze()
+
+
+def register() -> None:
+    """Installs the exit handler once per process."""
+    global _registered
+    if not _registered:
+        atexit.register(_freeze_at_exit)
+        _registered = True
