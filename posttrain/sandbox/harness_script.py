@@ -1,8 +1,9 @@
 """The program that runs INSIDE the sandbox: it applies the resource limits, then runs the candidate.
 
-It is copied into each sandbox (as bytecode: harness_code.py) and run by the sandbox's own interpreter, so it imports only
-the standard library and nothing from posttrain. Its trusted input (mode, limits, tests, the nonce)
-arrives (marshal-encoded: json and runpy cost tens of ms to import) on the file descriptor named by argv[1], which it reads and closes before any candidate code runs: the
+It is copied into each sandbox (as bytecode: harness_code.py) and run by the sandbox's own
+interpreter, so it imports only the standard library and nothing from posttrain. Its trusted input
+(mode, limits, tests, the nonce) arrives marshal-encoded (json and runpy cost tens of ms to import) on
+the file descriptor named by argv[1], which it reads and closes before any candidate code runs: the
 candidate cannot read the nonce from the pipe, so it cannot forge the "tests finished" sentinel by
 exiting early or printing. In "stdin" mode the expected outputs live only in this process, which
 makes itself non-dumpable, while each case runs the program in a separate child process.
