@@ -19,7 +19,7 @@ from posttrain.training.core import train
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 HELDOUT_PROBLEMS = 20
-STEPS, GROUP_SIZE, GROUPS_PER_BATCH, LEARNING_RATE = 8, 4, 4, 4e-4
+STEPS, GROUP_SIZE, GROUPS_PER_BATCH, LEARNING_RATE = 8, 4, 4, 2e-4
 
 
 @pytest.mark.slow
@@ -38,5 +38,8 @@ def test_rl_on_generated_code_tasks_raises_held_out_sampled_pass_rate(service_cl
 
     print(f"held-out code tasks, base: {before.metrics()}\nafter {STEPS} RL steps: {after.metrics()}")  # pytest -s shows it
     # Measured (2 loaded CPU cores, ~45 min): sampled pass@1 0.35 -> 0.525, pass@4 0.75 -> 1.0, greedy 0.90 -> 0.90.
+    # Training is not bit-reproducible (which requests share a decode step depends on timing). At learning rate
+    # 4e-4 greedy pass@1 ended at 0.95, 0.85, 0.60, 0.75, 0.75, 0.90 in six runs (2026-11-25, idle Zen 5); at
+    # 2e-4 at 0.95, 0.90, 0.90, with sampled pass@1 0.45, 0.4875, 0.4375 and pass@4 0.95, 1.0, 0.95.
     assert after.sampled_pass_at_1 > before.sampled_pass_at_1, (before.metrics(), after.metrics())
     assert after.pass_at_k >= before.pass_at_k and after.pass_at_1 >= before.pass_at_1 - 0.05  # greedy does not get worse
