@@ -24,8 +24,8 @@ import subprocess
 import time
 
 from posttrain.sandbox import SandboxPool, run_python, run_tests
-from posttrain.sandbox.pool import default_size
 from posttrain.sandbox.isolation import sandbox_python
+from posttrain.sandbox.pool import default_size
 
 PROGRAM = "def add_three(x):\n    return x + 3\n"
 TESTS = "for i in range(100):\n    assert add_three(i) == i + 3\n"

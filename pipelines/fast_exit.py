@@ -19,16 +19,7 @@ from __future__ import annotations
 import atexit
 import gc
 
-_registered = False
-
-
-def _freeze_at_exit() -> None:
-    gc.freeze()
-
 
 def register() -> None:
-    """Installs the exit handler once per process."""
-    global _registered
-    if not _registered:
-        atexit.register(_freeze_at_exit)
-        _registered = True
+    """Installs the exit handler (``pipelines/__init__.py`` calls this once per process)."""
+    atexit.register(gc.freeze)
