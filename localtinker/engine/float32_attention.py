@@ -7,7 +7,8 @@ projections around it stay in bf16. Registered under its own name so other model
 transformers' ``sdpa``; masks are built exactly as for ``sdpa``.
 
 Every engine model uses it, float32 ones too (where it is exactly ``sdpa``): a sampler's decode step
-hands it the shared-prompt keys of ``shared_prompt_kv.py``, which plain ``sdpa`` cannot read.
+hands it the shared-prompt keys of ``shared_prompt_kv.py``, and the members of a trainer's shared-prompt
+micro-batch those of ``shared_prefix_attention.py``, which plain ``sdpa`` cannot read.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from localtinker.engine.shared_prefix_attention import SharedPrefixKV, shared_prefix_attention
 from localtinker.engine.shared_prompt_kv import SharedPromptKV, shared_prompt_attention
 
 NAME = "localtinker_sdpa_float32"
@@ -32,6 +34,10 @@ def float32_sdpa(
         if _is_plain_decode(query, kwargs):
             return shared_prompt_attention(query, key, kwargs.get("scaling")).to(dtype), None
         key, value, attention_mask = key.dense()
+    elif isinstance(key, SharedPrefixKV):  # the members of a trainer's shared-prompt micro-batch (prefix_sharing.py)
+        if not _changes_attention(kwargs):
+            return shared_prefix_attention(query, key, kwargs.get("scaling")).to(dtype), None
+        key, value = key.dense()
     output, weights = sdpa_attention_forward(
         module, query.float(), key.float(), value.float(), attention_mask, **kwargs
     )
@@ -52,10 +58,13 @@ def use_float32_attention(model: torch.nn.Module) -> None:
 
 
 def _is_plain_decode(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
-    """One query token per row, no autograd, and none of the options that change the attention
-    (``_CHANGING``, not implemented by the shared-prompt attention)."""
-    changed = any(kwargs.get(key) is not None for key in _CHANGING) or bool(kwargs.get("dropout"))
-    return query.shape[2] == 1 and not torch.is_grad_enabled() and not changed
+    """One query token per row, no autograd, and none of the options that change the attention."""
+    return query.shape[2] == 1 and not torch.is_grad_enabled() and not _changes_attention(kwargs)
+
+
+def _changes_attention(kwargs: dict[str, Any]) -> bool:
+    """Whether an option the shared-prompt attentions do not implement is set (``_CHANGING``, dropout)."""
+    return any(kwargs.get(key) is not None for key in _CHANGING) or bool(kwargs.get("dropout"))
 
 
 _CHANGING = ("softcap", "position_bias", "sliding_window", "s_aux", "cache", "head_mask")

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from localtinker.engine.shared_prefix_attention import MAX_OWN_TOKENS, SharedPrefixCache
+
 MIN_SHARED_TOKENS = 16  # below this a second forward and a masked attention cost more than they save
 MAX_GROUP = 64  # members considered per run (keeps the partition search linear in the batch)
 
@@ -253,7 +255,11 @@ def shared_rows(
     for row, own_tokens in enumerate(own):
         own_ids[row, : own_tokens.shape[0]] = own_tokens
     starts = torch.tensor([groups[row].shared for row, _ in members])
-    member_cache = _PrefixCache([(layer.keys[member_group], layer.values[member_group]) for layer in cache.layers])
+    if own_width <= MAX_OWN_TOKENS:  # each group's prompt read once per layer (shared_prefix_attention.py)
+        member_cache = SharedPrefixCache([(layer.keys, layer.values) for layer in cache.layers], prefix_mask.bool(),
+                                         [len(group.members) for group in groups])
+    else:
+        member_cache = _PrefixCache([(layer.keys[member_group], layer.values[member_group]) for layer in cache.layers])
     own_hidden = decoder(
         input_ids=own_ids,
         attention_mask=torch.cat([prefix_mask[member_group], torch.ones_like(own_ids)], dim=1),

@@ -72,7 +72,7 @@ def test_bulk_logits_are_bf16_and_the_largest_are_exact_float32(pack):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_refined_target_logprob_matches_autograd_of_the_plain_expression(temperature):
     generator = torch.Generator().manual_seed(1)
-    rows = 6
+    rows = 37  # the loss makes its float32 rows 16 at a time: several passes, the last one partial
     logits = (torch.randn(rows, VOCAB, generator=generator) * 3).to(torch.bfloat16).requires_grad_()
     columns = logits.detach().float().topk(8, dim=-1).indices
     exact = (logits.detach().float().gather(-1, columns) + 0.01 * torch.randn(rows, 8, generator=generator))

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 import localtinker.engine.engine as engine_module
+import localtinker.engine.float32_attention as float32_attention
 import localtinker.engine.logprobs as logprobs_module
 import localtinker.engine.prefix_sharing as prefix_sharing
 from localtinker.engine.api import AdamSpec, DatumArrays, LoraSpec
 from localtinker.engine.prefix_sharing import (
+    MAX_OWN_TOKENS,
     MIN_SHARED_TOKENS,
     PrefixGroup,
     common_root,
@@ -174,20 +176,24 @@ def embedded_tokens(engine, run) -> int:
 
 
 @pytest.mark.parametrize(
-    "name,micro_batch,system",
+    "name,micro_batch,system,own_bound",
     [
-        ("importance_sampling", 512, 0),
-        ("ppo", 512, 0),
-        ("gspo", 512, 0),
-        ("importance_sampling", 20, 0),  # groups split into chunks (shared micro-batches: 2 × 20 tokens)
-        ("importance_sampling", 512, 20),  # a system prompt in front of every group: the root runs once
-        ("ppo", 45, 20),
+        ("importance_sampling", 512, 0, MAX_OWN_TOKENS),
+        ("ppo", 512, 0, MAX_OWN_TOKENS),
+        ("gspo", 512, 0, MAX_OWN_TOKENS),
+        ("importance_sampling", 20, 0, MAX_OWN_TOKENS),  # groups split into chunks of different sizes
+        ("importance_sampling", 512, 20, MAX_OWN_TOKENS),  # a system prompt in front of every group: the root runs once
+        ("ppo", 45, 20, MAX_OWN_TOKENS),
+        ("importance_sampling", 512, 0, 0),  # own parts too long for the shared attention: prompts copied
+        ("ppo", 45, 20, 0),
     ],
 )
 def test_shared_prompts_give_the_reference_results_with_fewer_tokens(
-    engine, trained, monkeypatch, name, micro_batch, system
+    engine, trained, monkeypatch, name, micro_batch, system, own_bound
 ):
     monkeypatch.setattr(engine_module, "TRAIN_MICROBATCH_TOKENS", micro_batch)
+    monkeypatch.setattr(prefix_sharing, "MAX_OWN_TOKENS", own_bound)
+    attended = _count_shared_attention_calls(monkeypatch)
     reference = ReferenceModel(engine.lora_spec(trained), engine.lora_weights(trained))
     data = grouped_rl_data(reference, seed=3, system=system)
     runs = {}
@@ -201,6 +207,7 @@ def test_shared_prompts_give_the_reference_results_with_fewer_tokens(
         engine.optim_step(trained, AdamSpec(learning_rate=0.0))
     (whole, whole_grads, whole_tokens), (shared, shared_grads, shared_tokens) = runs[False], runs[True]
     assert shared_tokens < 0.75 * whole_tokens
+    assert bool(attended) == bool(own_bound)  # which attention the members took
 
     total = torch.zeros(())
     for datum, output, whole_output in zip(data, shared.loss_fn_outputs, whole.loss_fn_outputs):
@@ -214,6 +221,19 @@ def test_shared_prompts_give_the_reference_results_with_fewer_tokens(
     for key, grad in reference.grads().items():
         assert_grad_close(shared_grads[key], grad, key)
         assert_grad_close(shared_grads[key], whole_grads[key], key)
+
+
+def _count_shared_attention_calls(monkeypatch) -> list[int]:
+    """Records each call of the members' shared-prompt attention (shared_prefix_attention.py)."""
+    calls: list[int] = []
+    original = float32_attention.shared_prefix_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(float32_attention, "shared_prefix_attention", counted)
+    return calls
 
 
 def test_a_common_system_prompt_runs_once_per_micro_batch(engine, trained, monkeypatch):
