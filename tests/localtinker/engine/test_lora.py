@@ -127,7 +127,7 @@ def test_bf16_factors_are_cast_once_without_autograd_and_recast_after_an_update(
     assert name not in layer.__dict__[lora._CAST]  # a deleted adapter's rounded factors go with it
 
 
-@pytest.mark.parametrize("merged_slots", [2, 4], ids=["reused-adapter-unmerged", "reused-adapter-merged"])
+@pytest.mark.parametrize("merged_slots", [1, 2], ids=["fewer-merge-slots", "every-resident-adapter-merged"])
 def test_a_full_resident_set_reuses_an_adapter_for_the_next_snapshot(engine, new_id, monkeypatch, merged_slots):
     """An RL loop samples a new snapshot every step: once RESIDENT_SAMPLER_ADAPTERS are resident, the next
     snapshot's weights go into the least recently used adapter of the same layout instead of a newly injected
