@@ -83,7 +83,7 @@ RETAINED_FORWARD_TOKENS = 2048
 SNAPSHOTS_PER_MODEL = 8
 # Sampler adapters kept resident per base model (others reload from disk on use, ~0.1 s). Two cover an RL
 # loop's current and previous snapshot; with more, each of an RL run's first snapshots paid peft's injection
-# of a new adapter (0.2–0.3 s) until the set was full (engine README, the `save_weights_and_get_sampling_client` bullet).
+# of a new adapter (0.2–0.3 s) until the set was full (engine README: save_weights_and_get_sampling_client).
 RESIDENT_SAMPLER_ADAPTERS = 2
 # Of those, how many sample through weights with the LoRA folded in (merged_lora.py; float32 only). Each
 # costs a copy of the adapted base weights (540 MB on SmolLM2-135M): two cover an RL loop's current and
