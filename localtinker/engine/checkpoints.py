@@ -9,7 +9,10 @@ a crash never leaves a half checkpoint and everything survives a server restart.
 
 A checkpoint saved with ``ttl_seconds`` records ``expires_at`` in its meta; expired checkpoints are
 deleted whenever the store saves, lists or loads, and loading one fails with "expired" (as hosted
-Tinker deletes them), so the storage directory does not grow without bound in long runs.
+Tinker deletes them), so the storage directory does not grow without bound in long runs. A save scans
+the directory only when the earliest expiry the store knows of has passed (one scan at start-up finds
+them): an RL loop saves a sampler checkpoint per step, and a scan per save read every checkpoint's meta,
+~40 µs each (31 ms per save at 800 checkpoints). The store assumes it is the only writer of its directory.
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ class CheckpointStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.clock = clock
+        self._scanned = False  # purge_expired has scanned once, so _next_expiry covers every checkpoint
+        self._next_expiry: float | None = None  # the earliest expires_at of a live checkpoint, None: none expires
 
     def _dir(self, run_id: str, kind: str, name: str) -> Path:
         return self.root / quote(run_id, safe="") / kind / name
@@ -100,6 +105,7 @@ class CheckpointStore:
                 save_file({k: v.contiguous() for k, v in optimizer.items()}, str(staging / _OPTIMIZER_FILE))
             now = self.clock()
             expires_at = None if ttl_seconds is None else now + ttl_seconds
+            self._expires(expires_at)
             full_meta = {**meta, "run_id": run_id, "kind": kind, "name": name, "created_at": now, "expires_at": expires_at}
             (staging / _META_FILE).write_text(json.dumps(full_meta, indent=1))
             _fsync_dir(staging)
@@ -115,7 +121,8 @@ class CheckpointStore:
             raise
         return f"tinker://{run_id}/{kind}/{name}"
 
-    def load(self, path: str) -> LoadedCheckpoint:
+    def meta(self, path: str) -> dict:
+        """The checkpoint's meta (base model, LoRA config, step, times) without reading its tensors."""
         run_id, kind, name = parse_tinker_path(path)
         directory = self._dir(run_id, kind, name)
         if not (directory / _META_FILE).is_file():
@@ -127,6 +134,11 @@ class CheckpointStore:
                 f"checkpoint {path} expired at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(meta['expires_at']))} "
                 "(its ttl_seconds) and was deleted; save checkpoints you need without a TTL."
             )
+        return meta
+
+    def load(self, path: str) -> LoadedCheckpoint:
+        meta = self.meta(path)
+        directory = self._dir(*parse_tinker_path(path))
         adapter = load_file(str(directory / _ADAPTER_FILE))
         optimizer_file = directory / _OPTIMIZER_FILE
         optimizer = load_file(str(optimizer_file)) if optimizer_file.is_file() else None
@@ -137,8 +149,17 @@ class CheckpointStore:
         return [info for info in self._scan(run_id) if not self._remove_if_expired(info)]
 
     def purge_expired(self) -> None:
-        for info in self._scan(None):
-            self._remove_if_expired(info)
+        """Deletes expired checkpoints; scans the directory only when one may have expired since the last scan."""
+        if self._scanned and (self._next_expiry is None or self._next_expiry > self.clock()):
+            return
+        live = [info for info in self._scan(None) if not self._remove_if_expired(info)]
+        expiries = [info.expires_at for info in live if info.expires_at is not None]
+        self._next_expiry, self._scanned = (min(expiries) if expiries else None), True
+
+    def _expires(self, expires_at: float | None) -> None:
+        """Notes a checkpoint that expires at ``expires_at`` (None: never)."""
+        if expires_at is not None and (self._next_expiry is None or expires_at < self._next_expiry):
+            self._next_expiry = expires_at
 
     def set_ttl(self, path: str, ttl_seconds: int | None) -> CheckpointInfo:
         """Expires ``path`` ``ttl_seconds`` from now (None: never); rewrites its meta atomically."""
@@ -150,6 +171,7 @@ class CheckpointStore:
             raise UnknownModelError(f"checkpoint {path} does not exist (or has expired); list_checkpoints shows the live ones.")
         meta = json.loads(meta_file.read_text())
         meta["expires_at"] = None if ttl_seconds is None else self.clock() + ttl_seconds
+        self._expires(meta["expires_at"])
         staging = meta_file.with_name(f".{_META_FILE}.{os.getpid()}-{time.monotonic_ns()}")
         staging.write_text(json.dumps(meta, indent=1))
         os.replace(staging, meta_file)

@@ -391,7 +391,7 @@ class LocalEngine:
             version = ""
             if model_path:
                 parse_tinker_path(model_path)
-                meta = self.checkpoints.load(model_path).meta
+                meta = self.checkpoints.meta(model_path)
                 base_name = base_model or meta["base_model"]
                 version = str(meta.get("created_at", ""))
             elif base_model:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from localtinker.engine.api import EngineUserError, LoraSpec
-from localtinker.engine.merged_lora import merged_output, unmerge
+from localtinker.engine.merged_lora import forget_layers, lora_layers, merged_output, unmerge
 
 # Llama-family projection names (SmolLM2, Llama, Qwen2/3, Mistral all use them).
 ATTENTION_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -103,8 +103,8 @@ class AdapterHost:
     def forget_derived(self, name: str) -> None:
         """Drops what was derived from adapter ``name``'s weights: merged sampling copies and rounded factors."""
         unmerge(self.model, name)
-        for module in self.model.modules():
-            module.__dict__.get(_CAST, {}).pop(name, None)
+        for layer in lora_layers(self.model, name):
+            layer.__dict__.get(_CAST, {}).pop(name, None)
 
     def delete_adapter(self, name: str) -> None:
         if self._peft is not None and name in self._peft.peft_config:
@@ -114,6 +114,7 @@ class AdapterHost:
                 # peft refuses to delete the last adapter; leave it (it is never activated again).
                 return
             self._peft.delete_adapter(name)
+            forget_layers(self.model, name)
             self._active = None
 
     def parameters(self, name: str) -> dict[str, torch.nn.Parameter]:

@@ -12,7 +12,11 @@ request can never interleave with another's half-applied state. Three queues fee
 
 Turns go to the ready consumer (each training model, and sampling as a whole) that has used the
 least engine time (``fair_share.py``): a flood of samples cannot starve a training step, nor the
-reverse. An idle stream lingers ``sample_linger_s`` after a first request so a burst prefills together.
+reverse. An idle stream waits for a burst of requests to end before it starts: until none has arrived
+for ``sample_linger_s`` (or the first has waited ``sample_linger_max_s``), so the burst prefills together.
+Measured through the SDK (16 requests of an RL step sent at once, server in the same process), the
+requests arrive over 40-95 ms, up to 19 ms apart; with a fixed 5 ms linger the first 4-7 were admitted
+alone and the rest one decode step later, after a second prefill.
 
 A seq_id that never arrives (its request was refused before queueing without the protocol
 knowing its number) would stall the model forever; after ``gap_timeout_s`` the worker skips it
@@ -102,10 +106,18 @@ _SAMPLING = "sampling"  # the fair-share consumer that sampling as a whole is
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, *, gap_timeout_s: float = 60.0, sample_linger_s: float = 0.005) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        gap_timeout_s: float = 60.0,
+        sample_linger_s: float = 0.02,
+        sample_linger_max_s: float = 0.2,
+    ) -> None:
         self.engine = engine
         self._gap_timeout_s = gap_timeout_s
         self._sample_linger_s = sample_linger_s
+        self._sample_linger_max_s = sample_linger_max_s
         self._cond = threading.Condition()
         self._control: deque[Job] = deque()
         self._models: dict[str, _ModelQueue] = {}
@@ -256,7 +268,7 @@ class EngineWorker:
 
     def _wait_timeout_locked(self) -> float:
         if self._samples:
-            return max(0.0005, self._sample_linger_s)
+            return max(0.0005, self._linger_left_locked())
         stalled = any(q.waiting for q in self._models.values())
         return 1.0 if stalled else 5.0
 
@@ -280,10 +292,15 @@ class EngineWorker:
         """A step is due while the stream has work; an idle stream first lingers so a burst batches together."""
         if self._in_stream or self._stream.busy:
             return True
-        if not self._samples:
-            return False
-        waited = time.monotonic() - self._samples[0].queued_at
-        return waited >= self._sample_linger_s
+        return bool(self._samples) and self._linger_left_locked() <= 0
+
+    def _linger_left_locked(self) -> float:
+        """Seconds until an idle stream starts on the queued requests: a quiet gap after the latest
+        arrival, capped by the longest wait of the first."""
+        now = time.monotonic()
+        quiet = self._samples[-1].queued_at + self._sample_linger_s
+        capped = self._samples[0].queued_at + self._sample_linger_max_s
+        return min(quiet, capped) - now
 
     def _model_ready_locked(self, model_id: str) -> bool:
         queue = self._models[model_id]

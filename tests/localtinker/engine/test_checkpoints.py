@@ -204,3 +204,35 @@ def test_loading_an_expired_checkpoint_says_it_expired(tmp_path):
     with pytest.raises(UnknownModelError, match="expired at .* and was deleted"):
         store.load(path)
     assert store.list() == []
+
+
+def test_saves_scan_the_directory_only_when_a_checkpoint_may_have_expired(tmp_path, monkeypatch):
+    """An RL loop saves a sampler checkpoint per step: a save reads the other checkpoints' metas only at
+    start-up and once a known expiry has passed, and a restarted store still purges what an earlier
+    process saved with a TTL."""
+    from localtinker.engine.checkpoints import CheckpointStore
+
+    now = [1_000_000.0]
+    weights = {"w": torch.ones(2)}
+    earlier = CheckpointStore(tmp_path, clock=lambda: now[0])
+    old = earlier.save("run:train:0", "sampler_weights", "old", weights, {"step": 0}, ttl_seconds=3600)
+
+    store = CheckpointStore(tmp_path, clock=lambda: now[0])  # a restart
+    scans = []
+    scan = store._scan
+    monkeypatch.setattr(store, "_scan", lambda run_id: scans.append(run_id) or scan(run_id))
+    for step in range(20):
+        store.save("run:train:0", "sampler_weights", f"s{step}", weights, {"step": step})
+    assert len(scans) == 1
+    now[0] += 3600
+    store.save("run:train:0", "sampler_weights", "s20", weights, {"step": 20})
+    assert len(scans) == 2
+    assert old not in {info.tinker_path for info in store.list()}
+    short = store.save("run:train:0", "weights", "short", weights, {"step": 21}, ttl_seconds=3600)
+    store.save("run:train:0", "sampler_weights", "s21", weights, {"step": 21})
+    assert len(scans) == 3  # list() scans; this save did not
+    now[0] += 3600
+    store.save("run:train:0", "sampler_weights", "s22", weights, {"step": 22})
+    assert len(scans) == 4 and not (tmp_path / "run%3Atrain%3A0" / "weights" / "short").exists()
+    with pytest.raises(UnknownModelError):
+        store.load(short)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -96,6 +97,42 @@ def test_samples_queued_while_the_worker_is_busy_run_as_one_batch(worker: Engine
     busy.result(timeout=5)
     assert all(len(r.result(timeout=5).sequences) == 1 for r in results)
     assert worker.engine.batches == [["s0", "s1", "s2", "s3", "s4"]]
+
+
+def _submit_spaced(worker: EngineWorker, count: int, gap_s: float) -> list[Future]:
+    results: list[Future] = []
+    for i in range(count):
+        if i:
+            time.sleep(gap_s)
+        done: Future = Future()
+        results.append(done)
+        worker.submit_sample(SampleJob(f"s{i}", SampleSpec(prompt_tokens=(1, 2)), done.set_result, done.set_exception))
+    return results
+
+
+def test_an_idle_stream_waits_for_a_burst_to_end_before_it_starts() -> None:
+    """Requests a few ms apart (the SDK sends a group's requests one by one) prefill as one batch."""
+    w = EngineWorker(BatchRecorder(), sample_linger_s=0.4, sample_linger_max_s=5.0)
+    w.start()
+    try:  # the burst lasts 0.5 s, longer than the quiet gap: a fixed linger after the first would split it
+        results = _submit_spaced(w, 6, gap_s=0.1)
+        assert all(len(r.result(timeout=10).sequences) == 1 for r in results)
+        assert w.engine.batches == [[f"s{i}" for i in range(6)]]
+    finally:
+        w.stop()
+
+
+def test_a_burst_that_never_ends_starts_after_the_longest_linger() -> None:
+    """A steady trickle does not hold the first request back longer than ``sample_linger_max_s``."""
+    w = EngineWorker(BatchRecorder(), sample_linger_s=1.0, sample_linger_max_s=0.3)
+    w.start()
+    try:
+        results = _submit_spaced(w, 10, gap_s=0.1)
+        assert all(len(r.result(timeout=10).sequences) == 1 for r in results)
+        assert len(w.engine.batches) >= 2  # with the quiet gap alone, all ten would have waited for the last
+        assert len(w.engine.batches[0]) < 10
+    finally:
+        w.stop()
 
 
 def test_stop_fails_queued_work_instead_of_running_it() -> None:
