@@ -29,7 +29,7 @@ import torch
 from localtinker.engine.api import EngineUserError, SampledSequence, SampleResult, SampleSpec
 from localtinker.engine.float32_attention import NAME as SHARED_PROMPT_ATTENTION
 from localtinker.engine.kv_rows import ColumnBufferLayer, RowCache, select_rows
-from localtinker.engine.logprobs import next_token_logits, token_logprobs
+from localtinker.engine.logprobs import next_token_logit_blocks, next_token_logits, token_logprobs
 from localtinker.engine.packed_linear import pack_frozen_linears, packed_sampling
 from localtinker.engine.prefix_store import KeptSequence, PrefixStore
 from localtinker.engine.sampler import SampleRow, choose_tokens, record_token, rows_for
@@ -217,8 +217,10 @@ class DecodeBatch:
         self.stats.decode_steps += 1
         self.next_positions = self.next_positions + 1
         live_rows = [self.rows[i] for i in live]
-        logits = next_token_logits(output.last_hidden_state[live, -1], self.lm_head)
-        tokens, logprobs = choose_tokens(logits, live_rows)
+        tokens = torch.empty(len(live), dtype=torch.long)
+        logprobs = torch.empty(len(live), dtype=torch.float32)
+        for start, stop, logits in next_token_logit_blocks(output.last_hidden_state[live, -1], self.lm_head):
+            tokens[start:stop], logprobs[start:stop] = choose_tokens(logits, live_rows[start:stop])
         self.next_tokens[live] = tokens
         done = self._record(live_rows, tokens.tolist(), logprobs.tolist())
         if self.prefixes is not None:

@@ -181,10 +181,51 @@ def _scaled_shifted_exp(logits: torch.Tensor, maxes: torch.Tensor, inverse_tempe
 def next_token_logits(hidden_last: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
     """float32 logits [rows, vocab] for sampling: the function :func:`token_logprobs` reduces."""
     logits = lm_head(hidden_last)
-    if not refines_logits(lm_head):
-        return logits.float()
-    columns = _refined_columns(logits)
-    return logits.float().scatter_(-1, columns, exact_logits_at(hidden_last, lm_head, columns))
+    if logits.dtype == torch.float32 and not refines_logits(lm_head):
+        return logits
+    return _as_float_logits(logits, hidden_last, lm_head, torch.empty(logits.shape, dtype=torch.float32))
+
+
+# A decode step takes the next-token logits of its rows this many at a time (:func:`next_token_logit_blocks`).
+SAMPLING_BLOCK_ROWS = 32
+
+
+def next_token_logit_blocks(
+    hidden_last: torch.Tensor, lm_head: torch.nn.Module, block_rows: int = SAMPLING_BLOCK_ROWS
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """:func:`next_token_logits` as (start, stop, float32 logits of rows start:stop), ``block_rows`` at a
+    time, each block the caller's to overwrite until the next one is asked for.
+
+    The unembedding runs once over all rows (its weight is read once); the rest is per block in one
+    reused buffer: the float32 copy of bf16 logits, the refinement, and the caller's token choice (max,
+    exp, sums) then pass over [32 × 49152] in cache instead of [rows × 49152] in memory, and no
+    [rows × vocab] float32 buffer exists (100 MB at 512 rows). Per-row values are those of
+    :func:`next_token_logits`, bit for bit (tested). A small gain, measured on the Zen 5 EPYC (2026-11-26,
+    SmolLM2 bf16, one process alternating whole-batch and 32-row blocks, best of 4): 64 prompts × 8
+    samples × 12 tokens 6.244 → 6.114 s on one thread, 3.461 → 3.381 s on two (−2%); 16 × 4 on two
+    threads 0.809 → 0.800 s. Blocks of 16 rows were no better than 32 on two threads.
+    """
+    logits = lm_head(hidden_last)
+    convert = logits.dtype != torch.float32 or refines_logits(lm_head)
+    buffer = torch.empty((min(block_rows, logits.shape[0]), logits.shape[-1]), dtype=torch.float32) if convert else None
+    for start in range(0, logits.shape[0], block_rows):
+        stop = min(start + block_rows, logits.shape[0])
+        if buffer is None:  # float32 logits of a plain head are already the values, and the caller's
+            yield start, stop, logits[start:stop]
+        else:
+            out = buffer[: stop - start]
+            yield start, stop, _as_float_logits(logits[start:stop], hidden_last[start:stop], lm_head, out)
+
+
+def _as_float_logits(logits: torch.Tensor, hidden: torch.Tensor, lm_head: torch.nn.Module,
+                     out: torch.Tensor) -> torch.Tensor:
+    """``out`` (float32, ``logits``' shape) ← ``logits``, with each row's ``REFINED_TOKENS`` largest
+    recomputed exactly when ``lm_head`` refines."""
+    out.copy_(logits)
+    if refines_logits(lm_head):
+        columns = _refined_columns(logits)
+        out.scatter_(-1, columns, exact_logits_at(hidden, lm_head, columns))
+    return out
 
 
 def _refined_columns(logits: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from localtinker.engine.bf16_head import REFINED_TOKENS, Bf16Head, exact_logits_at, refines_logits
-from localtinker.engine.logprobs import RefinedTargetLogprob, next_token_logits, token_logprobs
+from localtinker.engine.logprobs import RefinedTargetLogprob, next_token_logit_blocks, next_token_logits, token_logprobs
 from localtinker.engine.packed_linear import packing_available
 
 HIDDEN, VOCAB = 24, 300
@@ -147,6 +147,23 @@ def test_refined_rows_do_not_depend_on_the_rows_beside_them(pack):
             together = next_token_logits(hidden, head)
             alone = torch.cat([next_token_logits(hidden[i : i + 1], head) for i in range(len(hidden))])
         assert torch.equal(alone, together)  # a request samples the same alone or in a crowd
+
+
+@pytest.mark.parametrize("pack", PACKING)
+@pytest.mark.parametrize("kind", ["refined", "refined lora", "float32"])
+def test_logit_blocks_are_next_token_logits_row_for_row(pack, kind):
+    """A decode step takes its logits in blocks of rows (the last one partial): the same values, bit for bit."""
+    head = {"refined": lambda: _head(pack, bias=True), "refined lora": lambda: _lora_head(pack),
+            "float32": lambda: torch.nn.Linear(HIDDEN, VOCAB)}[kind]()
+    hidden = torch.randn(11, HIDDEN, generator=torch.Generator().manual_seed(8))
+    if kind != "float32":
+        hidden = hidden.to(torch.bfloat16)
+    with torch.inference_mode():
+        whole = next_token_logits(hidden, head)
+        blocks = [(start, stop, block.clone()) for start, stop, block in next_token_logit_blocks(hidden, head, 4)]
+    assert [(start, stop) for start, stop, _ in blocks] == [(0, 4), (4, 8), (8, 11)]
+    assert all(block.dtype == torch.float32 for _, _, block in blocks)
+    assert torch.equal(torch.cat([block for _, _, block in blocks]), whole)
 
 
 def test_exact_logits_ignore_disabled_adapters():

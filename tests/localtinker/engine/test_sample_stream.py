@@ -71,6 +71,26 @@ def test_each_distinct_prompt_is_prefilled_once_with_the_results_of_sampling_alo
     assert len({tuple(s.tokens) for s in results["group"].sequences}) == 4  # a group's samples differ
 
 
+def test_rows_beyond_one_logit_block_get_the_results_of_sampling_alone(engine, samplers):
+    """A decode step chooses tokens ``SAMPLING_BLOCK_ROWS`` rows at a time: rows of a request that spans
+    two blocks, with per-request temperature, top-k and greedy rows, still get their own tokens."""
+    from localtinker.engine.logprobs import SAMPLING_BLOCK_ROWS
+
+    lora, _ = samplers
+    requests = {
+        "warm": spec(PROMPT_A, seed=11, num_samples=SAMPLING_BLOCK_ROWS - 5, temperature=0.8),
+        "spanning": spec(PROMPT_B, seed=12, num_samples=12, top_k=30),
+        "greedy": spec(PROMPT_C, seed=13, num_samples=2, temperature=0.0),
+        "plain": spec(PROMPT_C, seed=14, num_samples=3),
+    }
+    stream = engine.sample_stream()
+    for key, request in requests.items():
+        stream.submit(key, lora, request)
+    results = run_to_end(stream)
+    for key, request in requests.items():
+        assert_same(results[key], alone(engine, lora, request))
+
+
 def test_a_request_joins_a_running_batch_and_a_short_one_leaves_first(engine, samplers):
     lora, _ = samplers
     long, short = spec(PROMPT_C, seed=7, max_tokens=30), spec(PROMPT_B, seed=8, max_tokens=3)
