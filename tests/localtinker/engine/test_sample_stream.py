@@ -51,6 +51,19 @@ def run_to_end(stream: SampleStream) -> dict:
     return results
 
 
+def sample_together(engine, sampler: str, requests: dict[str, SampleSpec]) -> tuple[SampleStream, dict]:
+    """All ``requests`` submitted to one stream at once and run to the end: (the stream, results by key)."""
+    stream = engine.sample_stream()
+    for key, request in requests.items():
+        stream.submit(key, sampler, request)
+    return stream, run_to_end(stream)
+
+
+def assert_each_as_alone(engine, sampler: str, requests: dict[str, SampleSpec], results: dict) -> None:
+    for key, request in requests.items():
+        assert_same(results[key], alone(engine, sampler, request))
+
+
 def test_each_distinct_prompt_is_prefilled_once_with_the_results_of_sampling_alone(engine, samplers):
     lora, _ = samplers
     requests = {
@@ -60,14 +73,10 @@ def test_each_distinct_prompt_is_prefilled_once_with_the_results_of_sampling_alo
         "other-group": spec(PROMPT_B, seed=4, num_samples=3, temperature=0.7),
         "no-shared-prefix": spec(PROMPT_C, seed=5, top_k=20),
     }
-    stream = engine.sample_stream()
-    for key, request in requests.items():
-        stream.submit(key, lora, request)
-    results = run_to_end(stream)
+    stream, results = sample_together(engine, lora, requests)
     # three distinct prompts, prefilled once each (no prefix common to all three)
     assert stream.stats.prefill_tokens == len(PROMPT_A) + len(PROMPT_B) + len(PROMPT_C)
-    for key, request in requests.items():
-        assert_same(results[key], alone(engine, lora, request))
+    assert_each_as_alone(engine, lora, requests, results)
     assert len({tuple(s.tokens) for s in results["group"].sequences}) == 4  # a group's samples differ
 
 
@@ -83,12 +92,8 @@ def test_rows_beyond_one_logit_block_get_the_results_of_sampling_alone(engine, s
         "greedy": spec(PROMPT_C, seed=13, num_samples=2, temperature=0.0),
         "plain": spec(PROMPT_C, seed=14, num_samples=3),
     }
-    stream = engine.sample_stream()
-    for key, request in requests.items():
-        stream.submit(key, lora, request)
-    results = run_to_end(stream)
-    for key, request in requests.items():
-        assert_same(results[key], alone(engine, lora, request))
+    _, results = sample_together(engine, lora, requests)
+    assert_each_as_alone(engine, lora, requests, results)
 
 
 def test_a_request_joins_a_running_batch_and_a_short_one_leaves_first(engine, samplers):
