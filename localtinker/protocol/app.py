@@ -55,9 +55,11 @@ class ProtocolConfig:
     long_poll_s: float = 35.0  # < the SDK's 45 s client timeout per retrieve_future poll
     result_retention_s: float = 900.0
     gap_timeout_s: float = 60.0
-    # An idle sample stream starts once no request has arrived for sample_linger_s, or once the first has
-    # waited sample_linger_max_s (worker.py): the requests of one burst then prefill together.
-    sample_linger_s: float = 0.02
+    # An idle sample stream starts on a lone request after sample_linger_s; once a second has arrived, when
+    # none has for sample_burst_gap_s, at most sample_linger_max_s after the first (worker.py): the
+    # requests of one burst then prefill together.
+    sample_linger_s: float = 0.005
+    sample_burst_gap_s: float = 0.02
     sample_linger_max_s: float = 0.2
     # Extra ClientConfigResponse flags sent to SDKs (e.g. a small fwdbwd_max_chunk_len in tests).
     client_config: dict[str, Any] = field(default_factory=dict)
@@ -101,6 +103,7 @@ class LocalTinkerService:
             engine,
             gap_timeout_s=config.gap_timeout_s,
             sample_linger_s=config.sample_linger_s,
+            sample_burst_gap_s=config.sample_burst_gap_s,
             sample_linger_max_s=config.sample_linger_max_s,
         )
         self._sample_requests: dict[tuple[str, int], tuple[str, list[str]]] = {}

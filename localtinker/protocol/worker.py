@@ -12,11 +12,13 @@ request can never interleave with another's half-applied state. Three queues fee
 
 Turns go to the ready consumer (each training model, and sampling as a whole) that has used the
 least engine time (``fair_share.py``): a flood of samples cannot starve a training step, nor the
-reverse. An idle stream waits for a burst of requests to end before it starts: until none has arrived
-for ``sample_linger_s`` (or the first has waited ``sample_linger_max_s``), so the burst prefills together.
-Measured through the SDK (16 requests of an RL step sent at once, server in the same process), the
-requests arrive over 40-95 ms, up to 19 ms apart; with a fixed 5 ms linger the first 4-7 were admitted
-alone and the rest one decode step later, after a second prefill.
+reverse. An idle stream waits for a burst of requests to end before it starts: a lone request waits
+``sample_linger_s``; once a second one has arrived, until none has for ``sample_burst_gap_s`` (at most
+``sample_linger_max_s`` after the first), so the burst prefills together. Measured through the SDK (16
+requests of an RL step sent at once, server in the same process), the requests arrive over 40-95 ms, up
+to 19 ms apart, the second 0-3 ms after the first; with a fixed 5 ms linger the first 4-7 were admitted
+alone and the rest one decode step later, after a second prefill. A lone request (a client sampling one
+request at a time) still waits only ``sample_linger_s``.
 
 A seq_id that never arrives (its request was refused before queueing without the protocol
 knowing its number) would stall the model forever; after ``gap_timeout_s`` the worker skips it
@@ -111,12 +113,14 @@ class EngineWorker:
         engine: Engine,
         *,
         gap_timeout_s: float = 60.0,
-        sample_linger_s: float = 0.02,
+        sample_linger_s: float = 0.005,
+        sample_burst_gap_s: float = 0.02,
         sample_linger_max_s: float = 0.2,
     ) -> None:
         self.engine = engine
         self._gap_timeout_s = gap_timeout_s
         self._sample_linger_s = sample_linger_s
+        self._sample_burst_gap_s = sample_burst_gap_s
         self._sample_linger_max_s = sample_linger_max_s
         self._cond = threading.Condition()
         self._control: deque[Job] = deque()
@@ -295,12 +299,13 @@ class EngineWorker:
         return bool(self._samples) and self._linger_left_locked() <= 0
 
     def _linger_left_locked(self) -> float:
-        """Seconds until an idle stream starts on the queued requests: a quiet gap after the latest
-        arrival, capped by the longest wait of the first."""
-        now = time.monotonic()
-        quiet = self._samples[-1].queued_at + self._sample_linger_s
-        capped = self._samples[0].queued_at + self._sample_linger_max_s
-        return min(quiet, capped) - now
+        """Seconds until an idle stream starts on the queued requests: a lone request's linger, or for a
+        burst a quiet gap after the latest arrival, capped by the longest wait of the first."""
+        first = self._samples[0].queued_at
+        if len(self._samples) == 1:
+            return first + self._sample_linger_s - time.monotonic()
+        quiet = self._samples[-1].queued_at + self._sample_burst_gap_s
+        return min(quiet, first + self._sample_linger_max_s) - time.monotonic()
 
     def _model_ready_locked(self, model_id: str) -> bool:
         queue = self._models[model_id]

@@ -112,9 +112,9 @@ def _submit_spaced(worker: EngineWorker, count: int, gap_s: float) -> list[Futur
 
 def test_an_idle_stream_waits_for_a_burst_to_end_before_it_starts() -> None:
     """Requests a few ms apart (the SDK sends a group's requests one by one) prefill as one batch."""
-    w = EngineWorker(BatchRecorder(), sample_linger_s=0.4, sample_linger_max_s=5.0)
+    w = EngineWorker(BatchRecorder(), sample_linger_s=0.3, sample_burst_gap_s=0.4, sample_linger_max_s=5.0)
     w.start()
-    try:  # the burst lasts 0.5 s, longer than the quiet gap: a fixed linger after the first would split it
+    try:  # the burst lasts 0.5 s, longer than the lone linger: a fixed linger after the first would split it
         results = _submit_spaced(w, 6, gap_s=0.1)
         assert all(len(r.result(timeout=10).sequences) == 1 for r in results)
         assert w.engine.batches == [[f"s{i}" for i in range(6)]]
@@ -124,13 +124,26 @@ def test_an_idle_stream_waits_for_a_burst_to_end_before_it_starts() -> None:
 
 def test_a_burst_that_never_ends_starts_after_the_longest_linger() -> None:
     """A steady trickle does not hold the first request back longer than ``sample_linger_max_s``."""
-    w = EngineWorker(BatchRecorder(), sample_linger_s=1.0, sample_linger_max_s=0.3)
+    w = EngineWorker(BatchRecorder(), sample_linger_s=0.3, sample_burst_gap_s=1.0, sample_linger_max_s=0.3)
     w.start()
     try:
         results = _submit_spaced(w, 10, gap_s=0.1)
         assert all(len(r.result(timeout=10).sequences) == 1 for r in results)
         assert len(w.engine.batches) >= 2  # with the quiet gap alone, all ten would have waited for the last
         assert len(w.engine.batches[0]) < 10
+    finally:
+        w.stop()
+
+
+def test_a_lone_request_does_not_wait_for_a_burst_gap() -> None:
+    """A client sampling one request at a time pays ``sample_linger_s``, not the burst's quiet gap."""
+    w = EngineWorker(BatchRecorder(), sample_linger_s=0.0, sample_burst_gap_s=30.0, sample_linger_max_s=60.0)
+    w.start()
+    try:
+        for _ in range(3):
+            (result,) = _submit_spaced(w, 1, gap_s=0.0)
+            assert len(result.result(timeout=5).sequences) == 1
+        assert w.engine.batches == [["s0"]] * 3
     finally:
         w.stop()
 
