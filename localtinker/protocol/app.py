@@ -55,11 +55,11 @@ class ProtocolConfig:
     long_poll_s: float = 35.0  # < the SDK's 45 s client timeout per retrieve_future poll
     result_retention_s: float = 900.0
     gap_timeout_s: float = 60.0
-    # An idle sample stream starts on a lone request after sample_linger_s; once a second has arrived, when
-    # none has for sample_burst_gap_s, at most sample_linger_max_s after the first (worker.py): the
-    # requests of one burst then prefill together.
+    # An idle sample stream starts once no request has arrived for sample_burst_gap_s, at most
+    # sample_linger_max_s after the first, so that a burst prefills together; a lone request waits only
+    # sample_linger_s while the stream has not seen bursts (worker.py).
     sample_linger_s: float = 0.005
-    sample_burst_gap_s: float = 0.02
+    sample_burst_gap_s: float = 0.03
     sample_linger_max_s: float = 0.2
     # Extra ClientConfigResponse flags sent to SDKs (e.g. a small fwdbwd_max_chunk_len in tests).
     client_config: dict[str, Any] = field(default_factory=dict)

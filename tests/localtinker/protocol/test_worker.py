@@ -148,6 +148,57 @@ def test_a_lone_request_does_not_wait_for_a_burst_gap() -> None:
         w.stop()
 
 
+class SlowStream:
+    """A continuous-batching stream whose requests take three steps of 50 ms; records each step's admissions."""
+
+    def __init__(self) -> None:
+        self.running: dict = {}
+        self.new: list = []
+        self.admissions: list[int] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.new)
+
+    def submit(self, key, sampler_id, spec) -> None:
+        self.new.append(key)
+
+    def step(self):
+        if self.new:
+            self.admissions.append(len(self.new))
+        self.running.update(dict.fromkeys(self.new, 3))
+        self.new = []
+        time.sleep(0.05)
+        done = [key for key, left in self.running.items() if left == 1]
+        self.running = {key: left - 1 for key, left in self.running.items() if left > 1}
+        return [(key, SampleResult([SampledSequence([1], [-0.5], "length")])) for key in done]
+
+
+class SlowEngine:
+    def __init__(self) -> None:
+        self.stream = SlowStream()
+
+    def sample_stream(self) -> SlowStream:
+        return self.stream
+
+
+def test_after_a_split_burst_a_first_request_waits_for_the_rest() -> None:
+    """A lone request starts at once until the stream has seen a burst (here: a request joining 50 ms after
+    an idle start); from then on a first request waits for the burst's quiet gap, and the burst is one admission."""
+    engine = SlowEngine()
+    w = EngineWorker(engine, sample_linger_s=0.0, sample_burst_gap_s=0.3, sample_linger_max_s=2.0)
+    w.start()
+    try:
+        first = _submit_spaced(w, 2, gap_s=0.05)  # the second joins the first's running batch
+        assert all(len(r.result(timeout=5).sequences) == 1 for r in first)
+        assert engine.stream.admissions == [1, 1]
+        second = _submit_spaced(w, 2, gap_s=0.1)
+        assert all(len(r.result(timeout=5).sequences) == 1 for r in second)
+        assert engine.stream.admissions == [1, 1, 2]
+    finally:
+        w.stop()
+
+
 def test_stop_fails_queued_work_instead_of_running_it() -> None:
     w = EngineWorker(BatchRecorder())
     w.register_model("m")
