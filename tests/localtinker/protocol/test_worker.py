@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from concurrent.futures import Future
 
 import pytest
@@ -99,6 +101,21 @@ def test_samples_queued_while_the_worker_is_busy_run_as_one_batch(worker: Engine
     assert worker.engine.batches == [["s0", "s1", "s2", "s3", "s4"]]
 
 
+@contextmanager
+def _running(engine, **linger: float) -> Iterator[EngineWorker]:
+    """A started worker over ``engine`` with the given linger settings, stopped afterwards."""
+    w = EngineWorker(engine, **linger)
+    w.start()
+    try:
+        yield w
+    finally:
+        w.stop()
+
+
+def _all_answered(results: list[Future]) -> bool:
+    return all(len(r.result(timeout=10).sequences) == 1 for r in results)
+
+
 def _submit_spaced(worker: EngineWorker, count: int, gap_s: float) -> list[Future]:
     results: list[Future] = []
     for i in range(count):
@@ -112,40 +129,26 @@ def _submit_spaced(worker: EngineWorker, count: int, gap_s: float) -> list[Futur
 
 def test_an_idle_stream_waits_for_a_burst_to_end_before_it_starts() -> None:
     """Requests a few ms apart (the SDK sends a group's requests one by one) prefill as one batch."""
-    w = EngineWorker(BatchRecorder(), sample_linger_s=0.3, sample_burst_gap_s=0.4, sample_linger_max_s=5.0)
-    w.start()
-    try:  # the burst lasts 0.5 s, longer than the lone linger: a fixed linger after the first would split it
-        results = _submit_spaced(w, 6, gap_s=0.1)
-        assert all(len(r.result(timeout=10).sequences) == 1 for r in results)
+    with _running(BatchRecorder(), sample_linger_s=0.3, sample_burst_gap_s=0.4, sample_linger_max_s=5.0) as w:
+        # the burst lasts 0.5 s, longer than the lone linger: a fixed linger after the first would split it
+        assert _all_answered(_submit_spaced(w, 6, gap_s=0.1))
         assert w.engine.batches == [[f"s{i}" for i in range(6)]]
-    finally:
-        w.stop()
 
 
 def test_a_burst_that_never_ends_starts_after_the_longest_linger() -> None:
     """A steady trickle does not hold the first request back longer than ``sample_linger_max_s``."""
-    w = EngineWorker(BatchRecorder(), sample_linger_s=0.3, sample_burst_gap_s=1.0, sample_linger_max_s=0.3)
-    w.start()
-    try:
-        results = _submit_spaced(w, 10, gap_s=0.1)
-        assert all(len(r.result(timeout=10).sequences) == 1 for r in results)
+    with _running(BatchRecorder(), sample_linger_s=0.3, sample_burst_gap_s=1.0, sample_linger_max_s=0.3) as w:
+        assert _all_answered(_submit_spaced(w, 10, gap_s=0.1))
         assert len(w.engine.batches) >= 2  # with the quiet gap alone, all ten would have waited for the last
         assert len(w.engine.batches[0]) < 10
-    finally:
-        w.stop()
 
 
 def test_a_lone_request_does_not_wait_for_a_burst_gap() -> None:
     """A client sampling one request at a time pays ``sample_linger_s``, not the burst's quiet gap."""
-    w = EngineWorker(BatchRecorder(), sample_linger_s=0.0, sample_burst_gap_s=30.0, sample_linger_max_s=60.0)
-    w.start()
-    try:
-        for _ in range(3):
-            (result,) = _submit_spaced(w, 1, gap_s=0.0)
-            assert len(result.result(timeout=5).sequences) == 1
+    with _running(BatchRecorder(), sample_linger_s=0.0, sample_burst_gap_s=30.0, sample_linger_max_s=60.0) as w:
+        for _ in range(3):  # each answered within 10 s, far less than the 30 s gap
+            assert _all_answered(_submit_spaced(w, 1, gap_s=0.0))
         assert w.engine.batches == [["s0"]] * 3
-    finally:
-        w.stop()
 
 
 class SlowStream:
@@ -186,17 +189,11 @@ def test_after_a_split_burst_a_first_request_waits_for_the_rest() -> None:
     """A lone request starts at once until the stream has seen a burst (here: a request joining 50 ms after
     an idle start); from then on a first request waits for the burst's quiet gap, and the burst is one admission."""
     engine = SlowEngine()
-    w = EngineWorker(engine, sample_linger_s=0.0, sample_burst_gap_s=0.3, sample_linger_max_s=2.0)
-    w.start()
-    try:
-        first = _submit_spaced(w, 2, gap_s=0.05)  # the second joins the first's running batch
-        assert all(len(r.result(timeout=5).sequences) == 1 for r in first)
+    with _running(engine, sample_linger_s=0.0, sample_burst_gap_s=0.3, sample_linger_max_s=2.0) as w:
+        assert _all_answered(_submit_spaced(w, 2, gap_s=0.05))  # the second joins the first's running batch
         assert engine.stream.admissions == [1, 1]
-        second = _submit_spaced(w, 2, gap_s=0.1)
-        assert all(len(r.result(timeout=5).sequences) == 1 for r in second)
+        assert _all_answered(_submit_spaced(w, 2, gap_s=0.1))
         assert engine.stream.admissions == [1, 1, 2]
-    finally:
-        w.stop()
 
 
 def test_stop_fails_queued_work_instead_of_running_it() -> None:
