@@ -63,13 +63,16 @@ from localtinker.engine.sampler import validate_sample_spec
 TRAIN_MICROBATCH_TOKENS = 512
 # Datums that share a prompt (prefix_sharing.py) go in micro-batches this many times larger: such a
 # micro-batch runs its prompts, then its members' own tokens (a root common to the prompts first), each
-# pass a fraction of the micro-batch that pays the per-op cost of a whole forward and backward. Measured
-# A/B on SmolLM2-135M (one engine, 3 alternating steps each, factor 2 against 1): 4 DPO pairs of 64 + 64
-# tokens 1.10× faster in bf16 on 1 thread, 1.18× on 2; 16 prompts × 4 samples of 40 + 16 tokens
-# (importance sampling) 1.07× and 1.15× (with every micro-batch at 1024 tokens, float32, 1 thread: 1.05× and
-# 1.03×). Plain rows keep 512: at 1024, chat-like rows of 20-512 tokens trained 0.92-1.02× as fast and
-# 8×128 rows 1.01-1.05×.
-SHARED_MICROBATCH_FACTOR = 2
+# pass a fraction of the micro-batch that pays the per-op cost of a whole forward and backward, and the
+# rank-16 LoRA products gain from more rows each. Measured A/B on SmolLM2-135M (one engine, 4 alternating
+# importance-sampling steps each, best): 16 prompts × 4 samples of 40 + 16 tokens (bench_rl_step.py's
+# shape) at factor 4 against 2: bf16 2.26 → 1.86 s on 2 threads, 3.72 → 3.19 s on 1; float32 2.99 → 2.63 s
+# on 2; 16 × 4 of ~160 + 100 tokens 18.4 → 15.7 s, 16 × 8 of ~60 + 48 tokens 12.3 → 10.6 s (bf16, 2
+# threads). Factor 8 took the ~160 + 100 batch to 14.2 s but its peak memory to 7.6 GB (4.3 GB at 4,
+# 2.5 GB at 2). Earlier, factor 2 against 1: 4 DPO pairs of 64 + 64 tokens 1.10× in bf16 on 1 thread, 1.18×
+# on 2. Plain rows keep 512: at 1024, chat-like rows of 20-512 tokens trained 0.92-1.02× as fast and 8×128
+# rows 1.01-1.05×.
+SHARED_MICROBATCH_FACTOR = 4
 # Datums sharing a prompt (an RL group, a DPO pair) run it once (prefix_sharing.py). False: every datum
 # runs whole (benchmarks and tests compare the two).
 SHARE_PREFIXES = True

@@ -112,6 +112,7 @@ def test_past_the_token_budget_micro_batches_run_again_in_the_backward_call(engi
     model_id, calls = trained
     # one pair (20 + 2 × 9 tokens) per micro-batch: pairs share a prompt, so they get 2 × 20 tokens
     monkeypatch.setattr(engine_module, "TRAIN_MICROBATCH_TOKENS", 20)
+    monkeypatch.setattr(engine_module, "SHARED_MICROBATCH_FACTOR", 2)
     monkeypatch.setattr(engine_module, "RETAINED_FORWARD_TOKENS", 20)  # the first micro-batch is kept, no more
     datums = [datum for seed in (5, 6, 7) for datum in _pair_datums(seed)]
     forward, second, grads = _custom_step(engine, model_id, datums, _dpo_like)
