@@ -33,7 +33,7 @@ from localtinker.engine.logprobs import next_token_logit_blocks, next_token_logi
 from localtinker.engine.packed_linear import pack_frozen_linears, packed_sampling
 from localtinker.engine.prefix_store import KeptSequence, PrefixStore
 from localtinker.engine.sampler import SampleRow, choose_tokens, record_token, rows_for
-from localtinker.engine.shared_prompt_kv import SharedPromptCache, width_class
+from localtinker.engine.shared_prompt_kv import SharedPromptCache, close_widths, width_class
 
 MIN_SHARED_PREFIX = 8
 PREFILL_CHUNK_TOKENS = 16384  # padded tokens per prefill forward: bounds its activations
@@ -84,7 +84,7 @@ def shared_prefix_length(prompts: list[tuple[int, ...]]) -> int:
 
 @dataclass
 class _PrefillChunk:
-    """Prompts of one width class prefilled together (``prompts``: their indices in the admission)."""
+    """Prompts of close lengths prefilled together (``prompts``: their indices in the admission)."""
 
     prompts: list[int]
     cache: RowCache
@@ -112,19 +112,23 @@ class _Past:
 
 
 def length_chunks(lengths: list[int], max_tokens: int = PREFILL_CHUNK_TOKENS) -> list[list[int]]:
-    """Indices of ``lengths`` grouped for prefill: one width class per group (padding at most ~¼, see
-    ``shared_prompt_kv.width_class``), at most ``max_tokens`` padded tokens per group (one prompt longer
-    than that is a group of its own). Every prompt padded to the longest of the admission made a
-    1000-token prompt among 63 short ones cost 64 × 1000 tokens of prefill."""
+    """Indices of ``lengths`` grouped for prefill, shortest first: a group takes the next length while
+    that is close to the group's shortest (``shared_prompt_kv.close_widths``: padding at most ~¼, or a
+    few columns; every length up to 32 is close to every other, as in ``width_class``), at most
+    ``max_tokens`` padded tokens per group (one prompt longer than that is a group of its own). Every
+    prompt padded to the longest of the admission made a 1000-token prompt among 63 short ones cost
+    64 × 1000 tokens of prefill; each further group costs a whole forward's per-op time (~40 ms on
+    SmolLM2, 2 threads), so groups are as few as that padding bound allows."""
     chunks: list[list[int]] = []
-    width = 0
+    shortest = 0
     for index in sorted(range(len(lengths)), key=lengths.__getitem__):
         length = lengths[index]
-        if chunks and width_class(length) == width_class(width) and (len(chunks[-1]) + 1) * length <= max_tokens:
+        close = width_class(length) == 0 or close_widths(shortest, length)
+        if chunks and close and (len(chunks[-1]) + 1) * length <= max_tokens:
             chunks[-1].append(index)
         else:
             chunks.append([index])
-        width = length
+            shortest = length
     return chunks
 
 
@@ -362,7 +366,7 @@ class DecodeBatch:
             )
             prefix_hidden = output.last_hidden_state[0]
         suffixes = [prompt[shared:] for prompt in prompts]
-        for group in length_chunks([len(prompt) for prompt in prompts]):
+        for group in length_chunks([len(suffix) for suffix in suffixes]):  # what the prefill pads
             past = _Past.empty(len(group))
             if shared:  # the prefix's keys and values copied to every prompt of the chunk
                 copies = torch.zeros(len(group), dtype=torch.long)

@@ -196,8 +196,8 @@ class SharedPromptCache(DynamicCache):
                          [len(mask) for mask in self.prompt_masks])
 
     def add_prompts(self, prefill: RowCache, mask: torch.Tensor, index: torch.Tensor) -> int:
-        """Adds the prompts ``index`` (rows of a prefill's cache and 0/1 mask, all of one width class, as
-        the prefill makes them) to the shelf of their class; returns the id of the first (the others follow)."""
+        """Adds the prompts ``index`` (rows of one prefill chunk's cache and 0/1 mask, as the prefill makes
+        them) to the shelf of their padded width's class; returns the id of the first (the others follow)."""
         first = self.prompts
         everything = torch.equal(index, torch.arange(len(mask)))
         mask = mask.bool() if everything else mask[index].bool()

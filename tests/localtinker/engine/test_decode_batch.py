@@ -19,3 +19,12 @@ def test_a_group_holds_at_most_the_token_cap_unless_one_prompt_exceeds_it():
     chunks = length_chunks([100] * 10 + [300], max_tokens=350)
     assert chunks == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9], [10]]
     assert length_chunks([500], max_tokens=350) == [[0]]
+
+
+def test_lengths_close_to_a_groups_shortest_join_it_across_a_class_boundary():
+    """Each further group costs a whole forward: 38 and 41 are two width classes but 3 columns apart."""
+    assert width_class(38) != width_class(41)
+    assert length_chunks([41, 38, 40]) == [[1, 2, 0]]
+    # padding at most ~¼ of the group's longest, measured from its shortest: no creeping from 40 to 80
+    lengths = [40, 48, 56, 64, 72, 80]
+    assert length_chunks(lengths) == [[0, 1], [2, 3, 4], [5]]

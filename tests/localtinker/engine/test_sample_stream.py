@@ -154,6 +154,25 @@ def test_a_long_prompt_does_not_pad_the_short_ones_and_every_result_is_that_of_s
         assert_same(results[key], alone(engine, lora, request))
 
 
+def test_prompts_behind_a_shared_prefix_are_grouped_by_what_the_prefill_pads(engine, samplers):
+    """A 30-token system prompt then 8 or 11 own tokens: the prefill pads the own parts, 3 columns on the
+    short ones, so every prompt goes through one forward and one prompt shelf (their whole lengths, 38
+    and 41, are two width classes)."""
+    lora, _ = samplers
+    system = tuple(range(600, 630))
+    prompts = [system + tuple(range(700 + 20 * i, 700 + 20 * i + (8 if i % 2 else 11))) for i in range(4)]
+    requests = {f"p{i}": spec(prompt, seed=50 + i, num_samples=2) for i, prompt in enumerate(prompts)}
+    stream = engine.sample_stream()
+    for key, request in requests.items():
+        stream.submit(key, lora, request)
+    results = dict(stream.step())
+    (group,) = stream._groups.values()
+    assert [mask.shape for mask in group.batch.cache.prompt_masks] == [(4, 41)]
+    assert stream.stats.prefill_tokens == 30 + 2 * 8 + 2 * 11 and stream.stats.prefill_padding == 2 * 3
+    results.update(run_to_end(stream))
+    assert_each_as_alone(engine, lora, requests, results)
+
+
 def test_requests_mid_decode_match_sampling_alone_across_weights(engine, samplers):
     """Rows joining, finishing and compacting around a request never change its tokens or logprobs."""
     lora, base = samplers
