@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from localtinker.engine.api import EngineUserError, SampledSequence, SampleResult, SampleSpec
-from localtinker.engine.float32_attention import NAME as SHARED_PROMPT_ATTENTION
+from localtinker.engine.attention import NAME as SHARED_PROMPT_ATTENTION
 from localtinker.engine.kv_rows import ColumnBufferLayer, RowCache, select_rows
 from localtinker.engine.logprobs import next_token_logit_blocks, next_token_logits, token_logprobs
 from localtinker.engine.packed_linear import pack_frozen_linears, packed_sampling

@@ -18,7 +18,7 @@ import torch
 from localtinker.engine.api import EngineUserError, UnknownModelError
 from localtinker.engine.bf16_head import Bf16Head
 from localtinker.engine.bf16_matmul import bf16_matmul_is_fast
-from localtinker.engine.float32_attention import use_float32_attention
+from localtinker.engine.attention import use_engine_attention
 from localtinker.engine.hub_cache import register_tokenizer
 from localtinker.engine.packaged import SMOLLM2_NAME, cached_model_dir, localtinker_home, smollm2_hf_dir
 
@@ -121,7 +121,7 @@ def load_base_model(name: str, dtype: str) -> BaseModel:
         else:
             _use_float32_master_head(model, Bf16Head)
     if getattr(model.config, "_attn_implementation", None) == "sdpa":
-        use_float32_attention(model)  # float32 attention in bf16 models; the sampler's shared prompts in all
+        use_engine_attention(model)  # bf16 products with a float32 softmax; the sampler's shared prompts in all
     model.eval()
     model.requires_grad_(False)
     config = model.config

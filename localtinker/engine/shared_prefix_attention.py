@@ -128,14 +128,18 @@ class SharedPrefixCache(DynamicCache):
 
 
 def shared_prefix_attention(query: torch.Tensor, kv: SharedPrefixKV, scaling: float | None) -> torch.Tensor:
-    """softmax(q·kᵀ·scaling + mask)·v in float32 over each member's group prompt and its own tokens
-    (causal): [members, query heads, own, d] → [members, own, query heads, d] (transformers' layout)."""
+    """softmax(q·kᵀ·scaling + mask)·v over each member's group prompt and its own tokens (causal):
+    [members, query heads, own, d] → [members, own, query heads, d] (transformers' layout), float32.
+
+    The products run in the query's dtype, the softmax in float32, as the engine's dense attention
+    (attention.py): bf16 products for a bf16 model, float32 throughout for a float32 one."""
     members, query_heads, own, dim = query.shape
     key_heads, prompt = kv.prefix_keys.shape[1], kv.prefix_keys.shape[2]
     group = query_heads // key_heads
     scale = dim**-0.5 if scaling is None else scaling
-    queries = query.float().reshape(members, key_heads, group * own, dim)
-    prefix_keys, prefix_values = kv.prefix_keys.float(), kv.prefix_values.float()
+    compute = query.dtype
+    queries = query.reshape(members, key_heads, group * own, dim)
+    prefix_keys, prefix_values = kv.prefix_keys.to(compute), kv.prefix_values.to(compute)
 
     def prompt_scores(stacked: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
         keys = prefix_keys if groups is None else prefix_keys[groups]
@@ -145,9 +149,9 @@ def shared_prefix_attention(query: torch.Tensor, kv: SharedPrefixKV, scaling: fl
         return torch.matmul(stacked, prefix_values if groups is None else prefix_values[groups])
 
     scores = torch.cat(
-        [kv.layout.per_group(queries, prompt_scores), torch.matmul(queries, kv.own_keys.float().transpose(-1, -2))],
+        [kv.layout.per_group(queries, prompt_scores), torch.matmul(queries, kv.own_keys.to(compute).transpose(-1, -2))],
         dim=-1,
-    ).mul(scale)
+    ).float().mul(scale)
     causal = torch.ones((own, own), dtype=torch.bool).tril()
     visible = torch.cat(
         [kv.prefix_mask[kv.layout.member_group][:, None, :].expand(members, own, prompt),
@@ -155,8 +159,8 @@ def shared_prefix_attention(query: torch.Tensor, kv: SharedPrefixKV, scaling: fl
         dim=-1,
     )  # [members, own, prompt + own]; every row sees itself
     scores = scores.view(members, key_heads, group, own, -1).masked_fill(~visible[:, None, None], float("-inf"))
-    weights = torch.softmax(scores, dim=-1).view(members, key_heads, group * own, -1)
-    output = kv.layout.per_group(weights[..., :prompt], prompt_output) + torch.matmul(
-        weights[..., prompt:], kv.own_values.float()
-    )
+    weights = torch.softmax(scores, dim=-1).to(compute).view(members, key_heads, group * own, -1)
+    output = kv.layout.per_group(weights[..., :prompt], prompt_output).float() + torch.matmul(
+        weights[..., prompt:], kv.own_values.to(compute)
+    ).float()
     return output.reshape(members, query_heads, own, dim).transpose(1, 2).contiguous()

@@ -362,18 +362,19 @@ def _merged_columns(own: list[ColumnBufferLayer], plan: list[tuple[int, torch.Te
 
 
 def shared_prompt_attention(query: torch.Tensor, kv: SharedPromptKV, scaling: float | None) -> torch.Tensor:
-    """softmax(q·kᵀ·scaling + mask)·v in float32 for one query per row over its prompt's shared columns
-    and its own: [rows, q heads, 1, d] → [rows, 1, q heads, d] (transformers' layout).
+    """softmax(q·kᵀ·scaling + mask)·v for one query per row over its prompt's shared columns and its own:
+    [rows, q heads, 1, d] → [rows, 1, q heads, d] (transformers' layout), float32.
 
     Each part yields its unnormalised output, row maximum and sum of exponentials; the two merge exactly
-    (the softmax over all columns), up to float32 rounding.
+    (the softmax over all columns), up to float32 rounding. The products run in the query's dtype and
+    the rest in float32, as the engine's dense attention (attention.py).
     """
     rows, query_heads, _, dim = query.shape
     layer, cache = kv.layer, kv.cache
     key_heads = layer.prompt_keys[0].shape[1]
     group = query_heads // key_heads
     scale = dim**-0.5 if scaling is None else scaling
-    queries = query.float().reshape(rows, key_heads, group, dim)
+    queries = query.reshape(rows, key_heads, group, dim)
     groups = cache.groups
     prompt_out, prompt_max, prompt_sum = _joined(
         [_prompt_part(queries, layer, cache.prompt_masks, bucket, groups, scale) for bucket in groups.buckets]
@@ -397,9 +398,10 @@ def _joined(parts: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
 def _own_part(queries: torch.Tensor, cohort: Cohort, own: ColumnBufferLayer,
               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The own part for one cohort's rows (consecutive): each row against its own columns."""
-    scores = torch.matmul(queries[cohort.start : cohort.stop], own.keys.float().transpose(-1, -2)).mul_(scale)
+    compute = queries.dtype
+    scores = torch.matmul(queries[cohort.start : cohort.stop], own.keys.to(compute).transpose(-1, -2))
     mask = None if cohort.mask is None else cohort.mask[:, None, None, :]
-    return _softmax_parts(scores, mask, own.values.float())
+    return _softmax_parts(scores.float().mul_(scale), mask, own.values.to(compute))
 
 
 def _prompt_part(queries: torch.Tensor, layer: SharedPromptLayer, prompt_masks: list[torch.Tensor], bucket: Bucket,
@@ -416,8 +418,8 @@ def _prompt_part(queries: torch.Tensor, layer: SharedPromptLayer, prompt_masks: 
     keys, values, mask = layer.prompt_keys[bucket.shelf], layer.prompt_values[bucket.shelf], prompt_masks[bucket.shelf]
     if not bucket.whole_shelf:
         keys, values, mask = keys[bucket.slots], values[bucket.slots], mask[bucket.slots]
-    scores = torch.matmul(stacked, keys.float().transpose(-1, -2)).mul_(scale)
-    parts = _softmax_parts(scores, mask[:, None, None, :], values.float())
+    scores = torch.matmul(stacked, keys.to(stacked.dtype).transpose(-1, -2)).float().mul_(scale)
+    parts = _softmax_parts(scores, mask[:, None, None, :], values.to(stacked.dtype))
     return tuple(_to_rows(part, prompts, size, key_heads, group) for part in parts)
 
 
@@ -428,12 +430,13 @@ def _to_rows(part: torch.Tensor, prompts: int, size: int, key_heads: int, group:
 
 def _softmax_parts(scores: torch.Tensor, mask: torch.Tensor | None,
                    values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(exp(s - max)·v, max, Σ exp(s - max)) over the unmasked columns; every row has at least one."""
+    """(exp(s - max)·v, max, Σ exp(s - max)) over the unmasked columns, float32; every row has at least
+    one. The product runs in ``values``' dtype."""
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
     top = scores.amax(dim=-1, keepdim=True)
     weights = scores.sub_(top).exp_()
-    return torch.matmul(weights, values), top, weights.sum(dim=-1, keepdim=True)
+    return torch.matmul(weights.to(values.dtype), values).float(), top, weights.sum(dim=-1, keepdim=True)
 
 
 def _all_columns(cohort: Cohort) -> torch.Tensor:

@@ -14,7 +14,7 @@ from localtinker.engine.api import AdamSpec, DatumArrays, LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.bf16_head import Bf16Head
 from localtinker.engine.bf16_matmul import ENV_CHOICE, bf16_matmul_is_fast
-from localtinker.engine.float32_attention import NAME as FLOAT32_ATTENTION
+from localtinker.engine.attention import NAME as ENGINE_ATTENTION
 from tests.localtinker.engine.reference import TINY, sft_datum
 
 
@@ -34,11 +34,11 @@ def test_bf16_storage_with_float32_trainable_state(bf16_engine):
     up_proj = base.get_decoder().layers[0].mlp.up_proj.base_layer
     assert up_proj.weight.dtype == torch.bfloat16
     hidden = torch.randn(2, up_proj.in_features, dtype=torch.bfloat16)
-    # bf16 matmuls keep activations in bf16 and take attention to float32 (float32_attention.py); float32
+    # bf16 matmuls keep activations in bf16 (attention.py: bf16 products, float32 softmax); float32
     # matmuls keep the whole body in float32. Either way the attention is the engine's (shared prompts).
     native = bf16_matmul_is_fast()
     assert up_proj(hidden).dtype == (torch.bfloat16 if native else torch.float32)
-    assert base.config._attn_implementation == FLOAT32_ATTENTION
+    assert base.config._attn_implementation == ENGINE_ATTENTION
     head = base.get_output_embeddings().base_layer
     assert head.weight.dtype == torch.float32  # the master copy; bf16 compute adds bf16 copies (bf16_head.py)
     assert isinstance(head, Bf16Head) == native
@@ -83,3 +83,25 @@ def test_bf16_turns_that_reuse_kept_keys_agree_with_the_trainer_as_closely(bf16_
         np.testing.assert_allclose(learner.loss_fn_outputs[0]["logprobs"][-6:], sequence.logprobs, atol=tolerance)
         prompt = prompt + tuple(sequence.tokens) + (7, 8, 9)
     assert stream.stats.reused_prefix_tokens == 36 + (36 + 6 + 3 + 5)
+
+
+def test_bf16_samples_sharing_a_prompt_train_with_the_logprobs_each_gets_alone(bf16_engine, monkeypatch):
+    """A group's samples attend to their shared prompt through shared_prefix_attention.py, alone through
+    the dense attention (attention.py): both multiply in the model's compute dtype, so they agree to it."""
+    import localtinker.engine.attention as attention
+
+    calls = []
+    shared = attention.shared_prefix_attention
+    monkeypatch.setattr(attention, "shared_prefix_attention", lambda *args: calls.append(1) or shared(*args))
+    rng = np.random.default_rng(3)
+    data = []
+    for prompt in (rng.integers(0, 200, size=20), rng.integers(0, 200, size=27)):
+        for _ in range(3):
+            tokens = np.concatenate([prompt, rng.integers(0, 200, size=int(rng.integers(3, 9)))])
+            data.append(DatumArrays(tokens=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]}))
+    together = bf16_engine.forward_backward("bf16:train:0", data, "cross_entropy", None, True)
+    assert calls  # the group path ran
+    tolerance = 0.03 if bf16_matmul_is_fast() else 1e-4  # measured: up to ~0.012 with bf16 products
+    for datum, output in zip(data, together.loss_fn_outputs):
+        alone = bf16_engine.forward_backward("bf16:train:0", [datum], "cross_entropy", None, True)
+        np.testing.assert_allclose(output["logprobs"], alone.loss_fn_outputs[0]["logprobs"], atol=tolerance)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import localtinker.engine.engine as engine_module
-import localtinker.engine.float32_attention as float32_attention
+import localtinker.engine.attention as engine_attention_module
 import localtinker.engine.logprobs as logprobs_module
 import localtinker.engine.prefix_sharing as prefix_sharing
 from localtinker.engine.api import AdamSpec, DatumArrays, LoraSpec
@@ -226,13 +226,13 @@ def test_shared_prompts_give_the_reference_results_with_fewer_tokens(
 def _count_shared_attention_calls(monkeypatch) -> list[int]:
     """Records each call of the members' shared-prompt attention (shared_prefix_attention.py)."""
     calls: list[int] = []
-    original = float32_attention.shared_prefix_attention
+    original = engine_attention_module.shared_prefix_attention
 
     def counted(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(float32_attention, "shared_prefix_attention", counted)
+    monkeypatch.setattr(engine_attention_module, "shared_prefix_attention", counted)
     return calls
 
 
