@@ -151,14 +151,15 @@ def shared_prefix_attention(query: torch.Tensor, kv: SharedPrefixKV, scaling: fl
     scores = torch.cat(
         [kv.layout.per_group(queries, prompt_scores), torch.matmul(queries, kv.own_keys.to(compute).transpose(-1, -2))],
         dim=-1,
-    ).float().mul(scale)
+    )
     causal = torch.ones((own, own), dtype=torch.bool).tril()
     visible = torch.cat(
         [kv.prefix_mask[kv.layout.member_group][:, None, :].expand(members, own, prompt),
          causal.expand(members, own, own)],
         dim=-1,
     )  # [members, own, prompt + own]; every row sees itself
-    scores = scores.view(members, key_heads, group, own, -1).masked_fill(~visible[:, None, None], float("-inf"))
+    bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None, None]
+    scores = torch.add(bias, scores.view(members, key_heads, group, own, -1), alpha=scale)  # float32, one pass
     weights = torch.softmax(scores, dim=-1).to(compute).view(members, key_heads, group * own, -1)
     output = kv.layout.per_group(weights[..., :prompt], prompt_output).float() + torch.matmul(
         weights[..., prompt:], kv.own_values.to(compute)
