@@ -399,7 +399,10 @@ def _own_part(queries: torch.Tensor, cohort: Cohort, own: ColumnBufferLayer,
               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The own part for one cohort's rows (consecutive): each row against its own columns."""
     compute = queries.dtype
-    scores = torch.matmul(queries[cohort.start : cohort.stop], own.keys.to(compute).transpose(-1, -2))
+    # The own keys are a view of a buffer with spare columns: made contiguous first, a bf16 product with
+    # their transpose took 278 instead of 718 µs at 512 rows × 15 columns (it copied them transposed).
+    keys = own.keys.to(compute).contiguous()
+    scores = torch.matmul(queries[cohort.start : cohort.stop], keys.transpose(-1, -2))
     mask = None if cohort.mask is None else cohort.mask[:, None, None, :]
     return _softmax_parts(scores.float().mul_(scale), mask, own.values.to(compute))
 
