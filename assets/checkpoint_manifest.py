@@ -9,11 +9,11 @@ never by guessing "the newest file".
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain.atomic_files import write_text_atomically
 from resources.state import state_subdir
 
 
@@ -62,9 +62,7 @@ def write_manifest(manifest: CheckpointManifest) -> Path:
     path = manifest_path(manifest.partition)
     if path.exists() and json.loads(path.read_text()) == manifest.to_json():
         return path
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(manifest.to_json(), indent=2))
-    os.replace(temporary, path)
+    write_text_atomically(path, json.dumps(manifest.to_json(), indent=2))
     return path
 
 

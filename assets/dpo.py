@@ -50,6 +50,7 @@ from assets.evals import EvalInputs, EvalSpec, build_eval_asset, load_trained_ve
 from assets.preferences import build_pairs_asset, identical_failures
 from assets.training import RecipeInputs, RecipeRun, TrainingSpec, build_checkpoints_asset, build_training_asset
 from assets.upstream import VERSION_PATH_KEY, UpstreamVersion, inputs_of, latest_version, read_versioned_table
+from posttrain.atomic_files import staged
 from posttrain.datasets import schemas
 from posttrain.datasets.schemas import HELDOUT_SPLIT, TRAIN_SPLIT
 from posttrain.eval.accuracy import default_grade, problems_from_table
@@ -267,9 +268,8 @@ def reference_logprobs(context: dg.AssetExecutionContext, config: ReferenceConfi
             pairs = PreferencePairs(pairs_from_table(stored, split=None)).pairs
         with tinker.session(f"{REFERENCE_ASSET} with {reference.describe()}") as client:
             table = compute_reference_logprobs(reference.sampling_client(client), pairs)
-        temporary = cache.with_name(cache.name + ".tmp")
-        pq.write_table(table, temporary)
-        temporary.replace(cache)
+        with staged(cache) as staging:  # runs sharing these pairs and reference may write it at once
+            pq.write_table(table, staging)
     metadata = {
         "dagster/row_count": dg.MetadataValue.int(table.num_rows),
         "cached": cached,

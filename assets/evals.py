@@ -37,6 +37,7 @@ from assets.checkpoint_manifest import CheckpointManifest, read_manifest
 from assets.registration import checkpoints_asset_key
 from assets.training import TrainingSpec
 from assets.upstream import read_versioned_table
+from posttrain.atomic_files import write_text_atomically
 from posttrain.eval.base import EvalTarget, Evaluator, run_evaluators
 from posttrain.eval.report import comparison_rows, markdown, report_table, worse
 from resources.mlflow import MlflowResource, metric_name
@@ -203,9 +204,7 @@ def _cached_scores(context, spec, inputs, label, model_identity, make_target, ev
         context.log.info(f"{label} model scores from cache {cache}")
         return json.loads(cache.read_text())
     scores = run_evaluators(evaluators, make_target())
-    temporary = cache.with_name(cache.name + ".tmp")
-    temporary.write_text(json.dumps(scores))
-    temporary.replace(cache)
+    write_text_atomically(cache, json.dumps(scores))  # concurrent evals of one base model race to write it
     return scores
 
 

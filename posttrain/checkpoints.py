@@ -24,6 +24,8 @@ from typing import Any
 
 import tinker
 
+from posttrain.atomic_files import staged
+
 CHECKPOINTS_FILE = "checkpoints.jsonl"
 _KNOWN_FIELDS = ("name", "batch", "epoch", "final", "state_path", "sampler_path")
 
@@ -110,14 +112,11 @@ def append_jsonl(path: str | os.PathLike, obj: dict[str, Any]) -> None:
 
 def rewrite_jsonl(path: str | os.PathLike, objs: list[dict[str, Any]]) -> None:
     """Atomically replace ``path`` with ``objs`` (temp file + fsync + rename)."""
-    path = Path(path)
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as handle:
+    with staged(path) as staging, open(staging, "wb") as handle:
         for obj in objs:
             handle.write((json.dumps(obj) + "\n").encode())
         handle.flush()
         os.fsync(handle.fileno())
-    os.replace(temporary, path)
 
 
 def _cut_torn_tail(handle) -> None:

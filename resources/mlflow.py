@@ -69,6 +69,7 @@ TAG_EVAL_SCORE = "eval.score"  # on model versions: the held-out task score (can
 
 ALIAS_LATEST = "latest-evaluated"  # MLflow reserves "latest" (models:/<name>/latest = newest version, evaluated or not)
 ALIAS_BEST = "best"
+ALIAS_ATTEMPTS = 8  # rounds of read-compare-write in update_aliases before concurrent writers are reported
 CHECKPOINT_MODEL_TYPE = "tinker-lora"
 
 SECRET_NAME = re.compile(r"(api[_-]?key|secret|password|credential|access[_-]?token|auth[_-]?token|hf[_-]?token)", re.IGNORECASE)
@@ -432,6 +433,12 @@ class MlflowResource(dg.ConfigurableResource):
         ``best``: the evaluated version with the best ``eval.score`` (ties: the newer version). Scores are
         version tags, so versions evaluated by other processes take part in the comparison. A version
         evaluated without a score (None) can become ``latest-evaluated`` but never ``best``. Returns alias → version.
+
+        Evaluations of one model run concurrently (the automation sensor launches one per checkpoint), so this
+        converges instead of writing once: it re-reads the tags and the aliases until they agree, and a write
+        that lost a race (two first-time inserts of one alias: a unique-key violation in a SQL store) only
+        sends it round again. Every caller's last read is taken after its own tags and writes, so whichever
+        caller finishes last leaves the aliases that every recorded score implies.
         """
         if score is not None and math.isnan(score):
             raise ValueError(
@@ -442,18 +449,25 @@ class MlflowResource(dg.ConfigurableResource):
         client.set_model_version_tag(model_name, str(version), TAG_EVALUATED, "true")
         if score is not None:
             client.set_model_version_tag(model_name, str(version), TAG_EVAL_SCORE, repr(float(score)))
-        evaluated = client.search_model_versions(f"name = '{model_name}' and tags.`{TAG_EVALUATED}` = 'true'")
-        wanted = {ALIAS_LATEST: max(int(v.version) for v in evaluated)}
-        scored = [v for v in evaluated if TAG_EVAL_SCORE in v.tags]
-        if scored:
-            sign = 1.0 if higher_is_better else -1.0
-            best = max(scored, key=lambda v: (sign * float(v.tags[TAG_EVAL_SCORE]), int(v.version)))
-            wanted[ALIAS_BEST] = int(best.version)
-        current = client.get_registered_model(model_name).aliases
-        for alias, target in wanted.items():
-            if str(current.get(alias)) != str(target):
-                client.set_registered_model_alias(model_name, alias, str(target))
-        return wanted
+        conflict: MlflowException | None = None
+        for attempt in range(ALIAS_ATTEMPTS):
+            wanted = _wanted_aliases(client, model_name, higher_is_better)
+            current = client.get_registered_model(model_name).aliases
+            stale = {alias: target for alias, target in wanted.items() if str(current.get(alias)) != str(target)}
+            if not stale:
+                return wanted
+            try:
+                for alias, target in stale.items():
+                    client.set_registered_model_alias(model_name, alias, str(target))
+            except MlflowException as error:
+                if not _is_write_conflict(error):
+                    raise
+                conflict = error
+                time.sleep(0.05 * (attempt + 1))
+        raise RuntimeError(
+            f"MlflowResource.update_aliases({model_name!r}, {version}): the aliases did not settle after "
+            f"{ALIAS_ATTEMPTS} rounds of concurrent writes (last conflict: {conflict}); re-run the evaluation."
+        )
 
     def resolve_alias(self, model_name: str, alias: str) -> ModelVersion:
         """The version behind ``model_name@alias``; LookupError naming the model's aliases when it has none such."""
@@ -496,6 +510,27 @@ class MlflowResource(dg.ConfigurableResource):
             order_by=["attributes.start_time DESC"],
         )
         return runs[0] if runs else None
+
+
+def _wanted_aliases(client: MlflowClient, model_name: str, higher_is_better: bool) -> dict[str, int]:
+    """The aliases the evaluated versions' tags imply now (see ``MlflowResource.update_aliases``)."""
+    evaluated = client.search_model_versions(f"name = '{model_name}' and tags.`{TAG_EVALUATED}` = 'true'")
+    wanted = {ALIAS_LATEST: max(int(v.version) for v in evaluated)}
+    scored = [v for v in evaluated if TAG_EVAL_SCORE in v.tags]
+    if scored:
+        sign = 1.0 if higher_is_better else -1.0
+        best = max(scored, key=lambda v: (sign * float(v.tags[TAG_EVAL_SCORE]), int(v.version)))
+        wanted[ALIAS_BEST] = int(best.version)
+    return wanted
+
+
+def _is_write_conflict(error: MlflowException) -> bool:
+    """A write that lost a race to a concurrent one: a SQL store's integrity or lock error, or its text over REST."""
+    cause = error.__cause__
+    if cause is not None and type(cause).__name__ in {"IntegrityError", "OperationalError"}:
+        return True
+    text = str(error.message).lower()
+    return any(sign in text for sign in ("unique constraint", "duplicate key", "duplicate entry", "database is locked"))
 
 
 def refuse_secret_names(values: Mapping[str, Any], where: str) -> None:

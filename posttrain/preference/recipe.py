@@ -16,7 +16,6 @@ training client, schedule, checkpoints and resume. The recipe owns:
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import tinker
 
+from posttrain.atomic_files import staged
 from posttrain.preference.data import PairBatching, PreferencePairs
 from posttrain.preference.dpo import dpo_loss_fn
 from posttrain.preference.eval import PairAccuracyEvaluator
@@ -150,10 +150,8 @@ class DpoRecipe(RecipeBase):
                 service_client, reference_model=self.config.reference_model, training_client=training_client
             )
             self.reference_table = compute_reference_logprobs(client, self.scored_pairs)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = path.with_name(REFERENCE_FILE + ".tmp")
-            pq.write_table(self.reference_table, temporary)
-            os.replace(temporary, path)
+            with staged(path) as staging:
+                pq.write_table(self.reference_table, staging)
         self.reference = ReferenceSums.from_table(self.reference_table)
         self.reference.check_covers([pair.row_id for pair in self.scored_pairs])
 

@@ -19,13 +19,14 @@ from __future__ import annotations
 import base64
 import functools
 import os
-import tempfile
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from posttrain.atomic_files import write_text_atomically
 
 QWEN_PRETOKENIZE_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -151,24 +152,12 @@ def _build_qwen3_backend() -> Tokenizer:
     return backend
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as file:
-            file.write(text)
-        os.replace(staging, path)
-    except BaseException:
-        Path(staging).unlink(missing_ok=True)
-        raise
-
-
 @functools.cache
 def qwen3_tokenizer() -> PreTrainedTokenizerFast:
     """Qwen3's tokenizer (vocabulary 151,669 incl. added tokens), built offline and cached on disk."""
     cached = cache_dir() / _QWEN3_CACHE_NAME
     if not cached.is_file():
-        _write_atomically(cached, _build_qwen3_backend().to_str())
+        write_text_atomically(cached, _build_qwen3_backend().to_str())
     return PreTrainedTokenizerFast(
         tokenizer_file=str(cached),
         eos_token="<|im_end|>",

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import tinker
 
+from posttrain.atomic_files import write_text_atomically
 from posttrain.checkpoints import CheckpointRecord, append_checkpoint, last_checkpoint, read_checkpoints, save_checkpoint
 from posttrain.eval.base import EvalTarget, Evaluator, run_evaluators
 from posttrain.metrics import MetricsLogger
@@ -294,9 +294,7 @@ def check_run_file(log_dir: Path, identity: dict[str, Any]) -> None:
                 f"{log_dir} holds checkpoints of a run with a different schedule, model or data order ({details}); "
                 "resume with the same settings, or start a new run (a new log_dir / a new Dagster run)"
             )
-    temporary = path.with_name(RUN_FILE + ".tmp")
-    temporary.write_text(json.dumps(identity, indent=2, sort_keys=True))
-    os.replace(temporary, path)
+    write_text_atomically(path, json.dumps(identity, indent=2, sort_keys=True))
 
 
 def _jsonable(value: Any) -> Any:

@@ -22,6 +22,7 @@ from resources.mlflow import (
     MlflowRun,
     RegisteredCheckpoint,
 )
+from tests.fixtures.concurrent_evaluations import race_alias_updates
 
 TOKENS_DIGEST = "t" * 64
 LINEAGE = {"base_model": "tiny", "training_run": "dagster-run-1", "dagster.partition": "sft-1a2b3c4d-000002"}
@@ -242,3 +243,11 @@ def test_missing_aliases_and_models_are_named_in_the_error(resource, model_name)
     with pytest.raises(ValueError, match="score is NaN"):
         resource.update_aliases(model_name, 1, float("nan"))
 
+
+
+def test_evaluations_finishing_together_all_succeed_and_leave_the_aliases_every_score_implies(store):
+    # four processes per model, released at once: first-time alias inserts collide on the store's unique key
+    race = race_alias_updates(f"sqlite:///{store / 'race.db'}")
+    assert race.errors == []
+    newest, best = len(race.scores), race.scores.index(max(race.scores)) + 1
+    assert race.aliases == [{ALIAS_LATEST: newest, ALIAS_BEST: best}] * len(race.aliases)

@@ -16,6 +16,7 @@ import dagster as dg
 import pytest
 from mlflow import MlflowClient
 
+from tests.fixtures.concurrent_evaluations import race_alias_updates
 from tests.fixtures.dagster_env import TINY_CHAIN_CONFIG, TINY_MODEL
 from tests.scaleout.deployment import POOL, POOL_LIMIT, Deployment, running_deployment, wait_until
 from tests.scaleout.postgres_cluster import PostgresCluster
@@ -128,10 +129,11 @@ def test_tinker_pool_serialises_training_runs_while_automation_evaluates_each_ch
     ]
     (tmp_path / "timeline.json").write_text(json.dumps(timeline, indent=2))
     origin = min(row["created"] for row in timeline)
+    since = lambda moment: "    —  " if moment is None else f"{moment - origin:7.1f}"  # noqa: E731 - a retry may not have started
     for row in timeline:
         print(
-            f"{row['job']:>10} {row['partition'] or '':<22} queued {row['created'] - origin:7.1f} s  "
-            f"ran {row['started'] - origin:7.1f} → {row['ended'] - origin:7.1f} s  {row['status']}"
+            f"{row['job']:>10} {row['partition'] or '':<22} queued {since(row['created'])} s  "
+            f"ran {since(row['started'])} → {since(row['ended'])} s  {row['status']}"
         )
 
     # The pool: training runs never overlapped, and the later ones were enqueued while an earlier one ran.
@@ -152,3 +154,12 @@ def test_tinker_pool_serialises_training_runs_while_automation_evaluates_each_ch
     experiment = client.get_experiment_by_name("posttrain")
     logged = {run.data.tags.get("dagster.run_id") for run in client.search_runs([experiment.experiment_id], max_results=100)}
     assert {r.dagster_run.run_id for r in runs + eval_records} <= logged
+
+
+def test_evaluations_finishing_together_on_postgres_all_succeed(postgres: PostgresCluster) -> None:
+    # the failure CI once hit: two eval runs' first `latest-evaluated` inserts collided on the alias key
+    postgres.create_database("alias_race")
+    race = race_alias_updates(postgres.url("alias_race"))
+    assert race.errors == []
+    newest, best = len(race.scores), race.scores.index(max(race.scores)) + 1
+    assert race.aliases == [{"latest-evaluated": newest, "best": best}] * len(race.aliases)
