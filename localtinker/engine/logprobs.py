@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from localtinker.engine.bf16_head import REFINED_TOKENS, exact_logits_at, refines_logits
+from localtinker.engine.fast_exp import exp_
 
 LOGIT_CHUNK_TOKENS = 1024
 
@@ -106,7 +107,7 @@ class RefinedTargetLogprob(torch.autograd.Function):
     def forward(ctx, logits, exact, columns, targets, inverse_temperature: float):
         exact = exact * inverse_temperature
         maxes = exact.amax(dim=-1, keepdim=True)  # the largest bf16 logits are among the columns
-        exact_weights = (exact - maxes).exp_()
+        exact_weights = exp_(exact - maxes)
         totals = _shifted_exp_sums(logits, maxes, inverse_temperature, columns) + exact_weights.sum(dim=-1)
         in_columns = columns == targets[:, None]
         refined_target = in_columns.any(dim=-1)
@@ -154,7 +155,7 @@ def _shifted_exp_rows(logits: torch.Tensor, maxes: torch.Tensor, inverse_tempera
         rows = buffer[: stop - start].copy_(logits[start:stop])
         if inverse_temperature != 1.0:
             rows.mul_(inverse_temperature)
-        rows.sub_(maxes[start:stop]).exp_()
+        exp_(rows.sub_(maxes[start:stop]))
         if columns is not None:
             rows.scatter_(-1, columns[start:stop], 0.0)
         yield start, stop, rows

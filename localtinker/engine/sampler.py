@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from localtinker.engine.api import EngineUserError, SampleSpec
+from localtinker.engine.fast_exp import exp_
 
 _SEED_STRIDE = 1_000_003
 
@@ -132,11 +133,11 @@ def choose_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Te
     uniforms = torch.stack([torch.rand((), generator=row.generator) for row in rows])
     if _filters(rows, logits.shape[-1]):
         log_totals = torch.logsumexp(shifted, dim=-1, keepdim=True)
-        tokens = _inverse_cdf(_filter_top_k_top_p(shifted - log_totals, rows).exp_(), uniforms)
+        tokens = _inverse_cdf(exp_(_filter_top_k_top_p(shifted - log_totals, rows)), uniforms)
         if greedy:
             tokens[greedy] = greedy_tokens
         return tokens, (shifted.gather(-1, tokens[:, None]) - log_totals).squeeze(-1)
-    weights = shifted.exp_()  # logits now hold exp(logit - max): the largest is exactly 1
+    weights = exp_(shifted)  # logits now hold exp(logit - max): the largest is exactly 1
     log_totals = weights.sum(dim=-1, keepdim=True).log_()
     tokens = _inverse_cdf(weights, uniforms)
     if greedy:

@@ -40,6 +40,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from localtinker.engine.fast_exp import exp_
 from localtinker.engine.kv_rows import ColumnBufferLayer, RowCache, first_used_column, left_pad
 
 _NARROW = 32  # columns: every width up to this is one class (padding of a few columns is not worth a tensor)
@@ -438,7 +439,7 @@ def _softmax_parts(scores: torch.Tensor, mask: torch.Tensor | None,
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
     top = scores.amax(dim=-1, keepdim=True)
-    weights = scores.sub_(top).exp_()
+    weights = exp_(scores.sub_(top))
     return torch.matmul(weights.to(values.dtype), values).float(), top, weights.sum(dim=-1, keepdim=True)
 
 
