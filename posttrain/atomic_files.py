@@ -9,7 +9,7 @@ and two writers never truncate or move each other's staging file (a fixed ``<nam
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,13 +20,14 @@ def staged(path: str | os.PathLike) -> Iterator[Path]:
     """A fresh temporary path beside ``path``: renamed onto ``path`` if the block succeeds, deleted if not."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(handle)
+    # A unique name, created by the writer: the file gets the umask's permissions, as the target had before
+    # (mkstemp would make every manifest and cache 0600, unreadable to a webserver running as another user).
+    staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
     try:
-        yield Path(staging)
+        yield staging
         os.replace(staging, target)
     except BaseException:
-        Path(staging).unlink(missing_ok=True)
+        staging.unlink(missing_ok=True)
         raise
 
 

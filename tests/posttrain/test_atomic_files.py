@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -32,6 +33,7 @@ def test_concurrent_writers_of_one_path_all_succeed_and_leave_one_whole_file(tmp
     assert errors == []
     assert target.read_text() in texts
     assert [path.name for path in target.parent.iterdir()] == [target.name]  # no staging file left behind
+    assert target.stat().st_mode & 0o777 == 0o666 & ~current_umask()  # readable like any file the user writes
 
 
 def test_a_failed_write_keeps_the_old_file_and_leaves_no_staging_file(tmp_path: Path) -> None:
@@ -43,3 +45,9 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_staging_file(tmp_path: 
             raise RuntimeError("writer failed")
     assert target.read_text() == "old"
     assert [path.name for path in tmp_path.iterdir()] == [target.name]
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
