@@ -294,7 +294,13 @@ class DecodeBatch:
                 if used:
                     first = self.cache.add_prompts(chunk.cache, chunk.mask, torch.tensor(used))
                     cached.update((chunk.prompts[local], first + k) for k, local in enumerate(used))
-            prompt_ids += [cached[index] for index in in_prefill]
+            # Rows in the order of their prompts' ids (stable: a request's samples stay in order), so that
+            # the attention's per-prompt products read the queries as they lie (RowGroups.in_row_order);
+            # the prefill numbers prompts by length chunk, not by request.
+            fresh_ids = [cached[index] for index in in_prefill]
+            by_prompt = sorted(range(len(fresh)), key=fresh_ids.__getitem__)
+            fresh = [fresh[i] for i in by_prompt]
+            prompt_ids += [fresh_ids[i] for i in by_prompt]
         if sharing:
             prompt_ids += self.cache.prompt_of_row[[row.request.holder for row in sharing]].tolist()
         self.cache.add_rows(torch.tensor(prompt_ids, dtype=torch.long))

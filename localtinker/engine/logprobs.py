@@ -227,11 +227,41 @@ def _as_float_logits(logits: torch.Tensor, hidden: torch.Tensor, lm_head: torch.
     recomputed exactly when ``lm_head`` refines."""
     out.copy_(logits)
     if refines_logits(lm_head):
-        columns = _refined_columns(logits)
+        columns = _refined_columns(out)  # the same values as the bf16 logits, compared in float32 either way
         out.scatter_(-1, columns, exact_logits_at(hidden, lm_head, columns))
     return out
 
 
 def _refined_columns(logits: torch.Tensor) -> torch.Tensor:
-    """Per row, the token ids of the ``REFINED_TOKENS`` largest logits (all, for a smaller vocabulary)."""
-    return logits.detach().topk(min(REFINED_TOKENS, logits.shape[-1]), dim=-1, sorted=False).indices
+    """Per row, the token ids of the ``REFINED_TOKENS`` largest logits (all, for a smaller vocabulary).
+
+    Selected by blocks of :data:`SELECTION_BLOCK` columns: a row's K largest lie in the K blocks whose
+    maxima are largest (a value outside them is at most its own block's maximum, which is at most each of
+    those K maxima), so a top-K over the block maxima, then one over those K blocks' columns, finds them.
+    On SmolLM2's 49152 columns, 32 rows: 0.56 ms against 1.23 for ``torch.topk`` over whole rows (bf16 or
+    float32; Zen 5 EPYC, one thread, 2026-11-26), ~11 ms of a 512-row decode step. Values are compared
+    in float32, 32 rows at a time: the sampler passes its float32 copy of the bf16 logits, the trainer
+    its bf16 logits, so both select on the same numbers, by the same steps. Among values tied at the
+    K-th place either may be taken, as with ``torch.topk``; a row's choice never depends on other rows.
+    """
+    rows, vocab = logits.shape
+    count = min(REFINED_TOKENS, vocab)
+    blocks, ragged = divmod(vocab, SELECTION_BLOCK)
+    if ragged or blocks < 4 * count:  # no whole blocks to skip: a plain top-k over each row
+        return logits.detach().float().topk(count, dim=-1, sorted=False).indices
+    chosen = torch.empty((rows, count), dtype=torch.long)
+    offsets = torch.arange(SELECTION_BLOCK)
+    values = None if logits.dtype == torch.float32 else torch.empty((min(rows, SAMPLING_BLOCK_ROWS), vocab))
+    for start in range(0, rows, SAMPLING_BLOCK_ROWS):
+        part = logits.detach()[start : start + SAMPLING_BLOCK_ROWS]
+        if values is not None:
+            part = values[: len(part)].copy_(part)
+        maxima = part.view(len(part), blocks, SELECTION_BLOCK).amax(dim=-1)
+        best = maxima.topk(count, dim=-1, sorted=False).indices
+        columns = (best[:, :, None] * SELECTION_BLOCK + offsets).view(len(part), -1)
+        within = part.gather(-1, columns).topk(count, dim=-1, sorted=False).indices
+        chosen[start : start + len(part)] = columns.gather(-1, within)
+    return chosen
+
+
+SELECTION_BLOCK = 128  # vocabulary columns per block in the selection of the logits to refine

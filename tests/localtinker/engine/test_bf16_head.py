@@ -11,7 +11,7 @@ from localtinker.engine.bf16_head import REFINED_TOKENS, Bf16Head, exact_logits_
 from localtinker.engine.logprobs import RefinedTargetLogprob, next_token_logit_blocks, next_token_logits, token_logprobs
 from localtinker.engine.packed_linear import packing_available
 
-HIDDEN, VOCAB = 24, 300
+HIDDEN, VOCAB = 24, 4 * REFINED_TOKENS * 128  # large enough for logprobs._refined_columns to select by blocks
 PACKING = [False, pytest.param(True, marks=pytest.mark.skipif(
     not packing_available(torch.bfloat16), reason="oneDNN has no bf16 kernels on this CPU"))]
 

@@ -64,6 +64,28 @@ def assert_each_as_alone(engine, sampler: str, requests: dict[str, SampleSpec], 
         assert_same(results[key], alone(engine, sampler, request))
 
 
+def test_rows_lie_in_the_order_of_their_prompts_whatever_the_order_of_the_requests(engine, samplers):
+    """The prefill numbers prompts shortest first; the rows follow those numbers, so a batch of GRPO groups
+    (as many samples per prompt) is one bucket in row order for the attention's per-prompt products, which
+    then read the queries as they lie (no gather and scatter of them in every layer)."""
+    lora, _ = samplers
+    requests = {
+        "long": spec(PROMPT_A, seed=6, num_samples=2),
+        "short": spec(PROMPT_C, seed=7, num_samples=2),
+        "middle": spec(PROMPT_B, seed=8, num_samples=2),
+    }
+    stream = engine.sample_stream()
+    for key, request in requests.items():
+        stream.submit(key, lora, request)
+    results = dict(stream.step())  # the admission
+    (group,) = stream._groups.values()
+    prompts = [row.request.spec.prompt_tokens for row in group.batch.rows]
+    assert prompts == [PROMPT_C] * 2 + [PROMPT_B] * 2 + [PROMPT_A] * 2  # by length, not by arrival
+    assert group.batch.cache.groups.in_row_order
+    results.update(run_to_end(stream))
+    assert_each_as_alone(engine, lora, requests, results)
+
+
 def test_each_distinct_prompt_is_prefilled_once_with_the_results_of_sampling_alone(engine, samplers):
     lora, _ = samplers
     requests = {
