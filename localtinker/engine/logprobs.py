@@ -192,6 +192,7 @@ def next_token_logits(hidden_last: torch.Tensor, lm_head: torch.nn.Module) -> to
 
 # A decode step takes the next-token logits of its rows this many at a time (:func:`next_token_logit_blocks`).
 SAMPLING_BLOCK_ROWS = 32
+SELECTION_BLOCK = 128  # vocabulary columns per block when choosing the logits a bf16 head refines (_refined_columns)
 
 
 def next_token_logit_blocks(
@@ -247,7 +248,7 @@ def _refined_columns(logits: torch.Tensor) -> torch.Tensor:
     rows, vocab = logits.shape
     count = min(REFINED_TOKENS, vocab)
     blocks, ragged = divmod(vocab, SELECTION_BLOCK)
-    if ragged or blocks < 4 * count:  # no whole blocks to skip: a plain top-k over each row
+    if ragged or blocks < 4 * count:  # not in whole blocks, or too few to skip many: a top-k over each row
         return logits.detach().float().topk(count, dim=-1, sorted=False).indices
     chosen = torch.empty((rows, count), dtype=torch.long)
     offsets = torch.arange(SELECTION_BLOCK)
@@ -256,12 +257,9 @@ def _refined_columns(logits: torch.Tensor) -> torch.Tensor:
         part = logits.detach()[start : start + SAMPLING_BLOCK_ROWS]
         if values is not None:
             part = values[: len(part)].copy_(part)
-        maxima = part.view(len(part), blocks, SELECTION_BLOCK).amax(dim=-1)
+        maxima = part.reshape(len(part), blocks, SELECTION_BLOCK).amax(dim=-1)
         best = maxima.topk(count, dim=-1, sorted=False).indices
         columns = (best[:, :, None] * SELECTION_BLOCK + offsets).view(len(part), -1)
         within = part.gather(-1, columns).topk(count, dim=-1, sorted=False).indices
         chosen[start : start + len(part)] = columns.gather(-1, within)
     return chosen
-
-
-SELECTION_BLOCK = 128  # vocabulary columns per block in the selection of the logits to refine
