@@ -250,11 +250,12 @@ def _refined_columns(logits: torch.Tensor) -> torch.Tensor:
     blocks, ragged = divmod(vocab, SELECTION_BLOCK)
     if ragged or blocks < 4 * count:  # not in whole blocks, or too few to skip many: a top-k over each row
         return logits.detach().float().topk(count, dim=-1, sorted=False).indices
+    logits = logits.detach()
     chosen = torch.empty((rows, count), dtype=torch.long)
     offsets = torch.arange(SELECTION_BLOCK)
     values = None if logits.dtype == torch.float32 else torch.empty((min(rows, SAMPLING_BLOCK_ROWS), vocab))
     for start in range(0, rows, SAMPLING_BLOCK_ROWS):
-        part = logits.detach()[start : start + SAMPLING_BLOCK_ROWS]
+        part = logits[start : start + SAMPLING_BLOCK_ROWS]
         if values is not None:
             part = values[: len(part)].copy_(part)
         maxima = part.reshape(len(part), blocks, SELECTION_BLOCK).amax(dim=-1)

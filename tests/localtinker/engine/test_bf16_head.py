@@ -8,10 +8,16 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from localtinker.engine.bf16_head import REFINED_TOKENS, Bf16Head, exact_logits_at, refines_logits
-from localtinker.engine.logprobs import RefinedTargetLogprob, next_token_logit_blocks, next_token_logits, token_logprobs
+from localtinker.engine.logprobs import (
+    SELECTION_BLOCK,
+    RefinedTargetLogprob,
+    next_token_logit_blocks,
+    next_token_logits,
+    token_logprobs,
+)
 from localtinker.engine.packed_linear import packing_available
 
-HIDDEN, VOCAB = 24, 4 * REFINED_TOKENS * 128  # large enough for logprobs._refined_columns to select by blocks
+HIDDEN, VOCAB = 24, 4 * REFINED_TOKENS * SELECTION_BLOCK  # large enough for logprobs._refined_columns to use blocks
 PACKING = [False, pytest.param(True, marks=pytest.mark.skipif(
     not packing_available(torch.bfloat16), reason="oneDNN has no bf16 kernels on this CPU"))]
 
