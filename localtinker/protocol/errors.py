@@ -21,3 +21,11 @@ def bad_request(message: str) -> ProtocolError:
 
 def not_found(message: str) -> ProtocolError:
     return ProtocolError(404, message)
+
+
+class OversizedBody(ProtocolError):
+    """A 413 for a body over the limit; ``head`` is what was read before refusing (at most one chunk over)."""
+
+    def __init__(self, limit: int, head: bytes) -> None:
+        super().__init__(413, f"request body exceeds the {limit}-byte limit; send smaller requests")
+        self.head = head

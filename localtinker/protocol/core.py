@@ -1,0 +1,213 @@
+"""What every route family shares: the futures store, the registry, the engine worker and the helpers that
+read bodies, queue model ops in ``seq_id`` order and turn failures into the SDK's error shapes.
+
+Route families (``localtinker.protocol.routes``) hold a ``ServiceCore`` and only decode, validate, queue and
+encode; the app (``app.py``) composes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from localtinker.engine.api import Engine, EngineUserError, UnknownModelError
+
+from . import json_codec as jc
+from .errors import OversizedBody, ProtocolError, bad_request, not_found
+from .futures import FutureStore, Payload
+from .registry import Registry
+from .worker import EngineWorker, Job, SequenceError
+
+logger = logging.getLogger("localtinker.protocol")
+
+PROTOBUF = "application/x-protobuf"
+API = "/api/v1"
+
+
+@dataclass(frozen=True)
+class ProtocolConfig:
+    api_key: str | None = None
+    max_request_bytes: int = 64 * 1024 * 1024
+    long_poll_s: float = 35.0  # < the SDK's 45 s client timeout per retrieve_future poll
+    result_retention_s: float = 900.0
+    gap_timeout_s: float = 60.0
+    # An idle sample stream starts once no request has arrived for sample_burst_gap_s, at most
+    # sample_linger_max_s after the first, so that a burst prefills together; a lone request waits only
+    # sample_linger_s while the stream has not seen bursts (worker.py).
+    sample_linger_s: float = 0.005
+    sample_burst_gap_s: float = 0.03
+    sample_linger_max_s: float = 0.2
+    # Extra ClientConfigResponse flags sent to SDKs (e.g. a small fwdbwd_max_chunk_len in tests).
+    client_config: dict[str, Any] = field(default_factory=dict)
+
+
+def error_response(status: int, message: str, category: str = "user") -> JSONResponse:
+    return JSONResponse({"error": message, "category": category}, status_code=status)
+
+
+def engine_error_response(e: BaseException) -> JSONResponse:
+    if isinstance(e, UnknownModelError):
+        return error_response(404, str(e))
+    if isinstance(e, EngineUserError):
+        return error_response(400, str(e))
+    logger.exception("request failed inside the engine", exc_info=e)
+    response = error_response(500, f"internal error: {type(e).__name__}: {e}", "server")
+    response.headers["x-should-retry"] = "false"  # the same request would fail the same way
+    return response
+
+
+def iso(timestamp: float) -> str:
+    return dt.datetime.fromtimestamp(timestamp, tz=dt.timezone.utc).isoformat()
+
+
+def session_of(model_id: str) -> str:
+    return model_id.rsplit(":train:", 1)[0]
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def wrap(handler: Handler) -> Handler:
+    """Turns a handler's exceptions into the SDK's error shapes; a bad request never takes the server down."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ProtocolError as e:
+            return error_response(e.status, e.message)
+        except EngineUserError as e:
+            return engine_error_response(e)
+        except Exception as e:  # noqa: BLE001 - a bad request must never take the server down
+            return engine_error_response(e)
+
+    return endpoint
+
+
+def route(path: str, handler: Handler, method: str) -> Route:
+    """A route under ``/api/v1`` whose handler answers errors as the SDK expects."""
+    return Route(f"{API}/{path}", wrap(handler), methods=[method])
+
+
+def page(request: Request, default_limit: int) -> tuple[int, int]:
+    try:
+        limit = int(request.query_params.get("limit", default_limit))
+        offset = int(request.query_params.get("offset", 0))
+    except ValueError as e:
+        raise bad_request(f"limit and offset must be integers: {e}") from e
+    if limit < 0 or offset < 0:
+        raise bad_request("limit and offset must be >= 0")
+    return limit, offset
+
+
+class ServiceCore:
+    """Owns the futures store, the registry and the engine worker, and the helpers route families share."""
+
+    def __init__(self, engine: Engine, storage_dir: Path | None, config: ProtocolConfig = ProtocolConfig()) -> None:
+        self.config = config
+        self.engine = engine
+        self.storage_dir = storage_dir
+        self.futures = FutureStore(config.result_retention_s)
+        self.registry = Registry(storage_dir)
+        self.worker = EngineWorker(
+            engine,
+            gap_timeout_s=config.gap_timeout_s,
+            sample_linger_s=config.sample_linger_s,
+            sample_burst_gap_s=config.sample_burst_gap_s,
+            sample_linger_max_s=config.sample_linger_max_s,
+        )
+        self.worker.start()
+
+    def close(self) -> None:
+        self.worker.stop()
+
+    # ---- bodies ------------------------------------------------------------------------------------
+
+    async def body(self, request: Request) -> bytes:
+        """The whole body; stops reading at the size limit and raises a 413 that keeps what was read."""
+        limit = self.config.max_request_bytes
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise OversizedBody(limit, b"".join(chunks))
+        return b"".join(chunks)
+
+    async def json(self, request: Request, endpoint: str) -> dict[str, Any]:
+        return jc.parse_json_object(await self.body(request), endpoint)
+
+    async def on_worker(self, describe: str, run: Callable[[Engine], Any]) -> Any:
+        return await asyncio.wrap_future(self.worker.call(describe, run))
+
+    # ---- futures plumbing ----------------------------------------------------------------------------
+
+    def fail_future(self, request_id: str) -> Callable[[BaseException], None]:
+        def on_error(e: BaseException) -> None:
+            if isinstance(e, EngineUserError):
+                self.futures.fail(request_id, str(e), "user")
+            else:
+                self.futures.fail(request_id, f"internal error: {type(e).__name__}: {e}", "server")
+
+        return on_error
+
+    def complete_future(self, request_id: str, encode: Callable[[Any], Payload]) -> Callable[[Any], None]:
+        def on_done(result: Any) -> None:
+            try:
+                payload = encode(result)
+            except EngineUserError as e:
+                self.futures.fail(request_id, str(e), "user")
+                return
+            except Exception as e:  # noqa: BLE001
+                logger.exception("could not encode the result of %s", request_id)
+                self.futures.fail(request_id, f"internal error encoding the result: {e}", "server")
+                return
+            self.futures.complete(request_id, payload)
+
+        return on_done
+
+    # ---- model ops in seq_id order -------------------------------------------------------------------
+
+    def queue_model_op(
+        self,
+        kind: str,
+        model_id: str,
+        seq_id: int | None,
+        run: Callable[[Engine], Any],
+        encode: Callable[[Any], Payload],
+    ) -> JSONResponse:
+        if not self.worker.has_model(model_id):
+            raise not_found(
+                f"{kind}: unknown model_id {model_id!r}; create it with create_lora_training_client or "
+                "create_training_client_from_state (models do not survive a server restart; checkpoints do)"
+            )
+        existing = self.worker.submitted_request(model_id, seq_id)
+        if existing is not None:
+            return JSONResponse({"request_id": existing, "model_id": model_id})
+        request_id = self.futures.create(kind)
+        self.registry.touch(model_id)
+        job = Job(
+            f"{kind} {model_id}#{seq_id}",
+            run,
+            self.complete_future(request_id, encode),
+            self.fail_future(request_id),
+        )
+        try:
+            self.worker.submit_model_op(model_id, seq_id, request_id, job)
+        except SequenceError as e:
+            self.futures.fail(request_id, str(e), "user")
+            raise bad_request(str(e)) from e
+        return JSONResponse({"request_id": request_id, "model_id": model_id})
+
+    def refuse_model_op(self, model_id: str, seq_id: int | None, error: ProtocolError) -> ProtocolError:
+        """A request refused after its seq_id was read: free the slot so later requests still run."""
+        self.worker.skip_model_seq(model_id, seq_id)
+        return error

@@ -1,0 +1,9 @@
+"""The HTTP routes, one module per family; each family is a class over a ``ServiceCore`` with ``routes()``.
+
+- ``sessions``: start-up, sessions, heartbeats, capabilities and creating training models;
+- ``training``: a training client's sequenced ops (forward_backward, optim_step, saving weights);
+- ``sampling``: sampling sessions and ``asample``;
+- ``checkpoints``: training runs, checkpoint listing, deletion, TTLs and weights info;
+- ``futures``: ``retrieve_future`` long-polling and ``cancel_future``.
+A new family gets its own module here and one line in ``app.LocalTinkerService.build_app``.
+"""
