@@ -1,0 +1,23 @@
+"""examples/configs/*.yaml, which the README tells users to pass to `dagster job execute -c`, fit their jobs."""
+
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import yaml
+
+from pipelines.definitions import build_definitions
+from tests.fixtures.dagster_env import tiny_resources
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").glob("*.yaml"))
+
+
+def test_every_recipe_chain_has_an_example_config():
+    assert {path.stem for path in CONFIGS} == {"sft", "dpo", "rl", "code_rl", "distill", "prompt_distill"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda path: path.stem)
+def test_example_config_validates_against_its_chain_job(path: Path, project_state):
+    job = build_definitions(tiny_resources(project_state)).resolve_job_def(f"{path.stem}_chain")
+    result = dg.validate_run_config(job, yaml.safe_load(path.read_text()))
+    assert result["ops"], path
