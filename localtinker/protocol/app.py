@@ -41,5 +41,5 @@ class LocalTinkerService(ServiceCore):
 
     def build_app(self) -> ASGIApp:
         routes = [r for family in self.families for r in family.routes()]
-        app = Starlette(routes=routes)
+        app = Starlette(routes=routes, exception_handlers={404: self.unrouted, 405: self.unrouted})
         return GuardMiddleware(app, api_key=self.config.api_key, max_request_bytes=self.config.max_request_bytes)

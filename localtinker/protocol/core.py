@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -76,25 +78,27 @@ def session_of(model_id: str) -> str:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def wrap(handler: Handler) -> Handler:
-    """Turns a handler's exceptions into the SDK's error shapes; a bad request never takes the server down."""
-
-    async def endpoint(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except ProtocolError as e:
-            return error_response(e.status, e.message)
-        except EngineUserError as e:
-            return engine_error_response(e)
-        except Exception as e:  # noqa: BLE001 - a bad request must never take the server down
-            return engine_error_response(e)
-
-    return endpoint
+# The SDK retries these statuses with the same seq_id, so a request answered with one still holds its slot.
+RETRIED_STATUSES = frozenset({408, 409, 429})
 
 
-def route(path: str, handler: Handler, method: str) -> Route:
-    """A route under ``/api/v1`` whose handler answers errors as the SDK expects."""
-    return Route(f"{API}/{path}", wrap(handler), methods=[method])
+def is_refusal(status: int) -> bool:
+    """A 4xx the SDK does not retry: the request will never come back, so its seq_id must be released."""
+    return 400 <= status < 500 and status not in RETRIED_STATUSES
+
+
+def refused_model_seq(body: bytes) -> tuple[str, int] | None:
+    """``(model_id, seq_id)`` named by a JSON request body, if it names both (a training client's op)."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    model_id, seq_id = parsed.get("model_id"), parsed.get("seq_id")
+    if not isinstance(model_id, str) or not isinstance(seq_id, int) or isinstance(seq_id, bool):
+        return None
+    return model_id, seq_id
 
 
 def page(request: Request, default_limit: int) -> tuple[int, int]:
@@ -129,6 +133,59 @@ class ServiceCore:
     def close(self) -> None:
         self.worker.stop()
 
+    # ---- routes and refusals ----------------------------------------------------------------------------
+
+    def route(self, path: str, handler: Handler, method: str) -> Route:
+        """A route under ``/api/v1`` whose errors take the SDK's shape and whose refusals free their seq_id."""
+        return Route(f"{API}/{path}", self._endpoint(handler), methods=[method])
+
+    def _endpoint(self, handler: Handler) -> Handler:
+        async def endpoint(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except ProtocolError as e:
+                response = error_response(e.status, e.message)
+            except Exception as e:  # noqa: BLE001 - a bad request must never take the server down
+                response = engine_error_response(e)
+            if is_refusal(response.status_code):
+                await self.release_refused(request)
+            return response
+
+        return endpoint
+
+    async def release_refused(self, request: Request) -> None:
+        """Frees the seq_id of a refused training-client request, so the client's next request runs at once.
+
+        Without it the next request waits ``gap_timeout_s`` for a seq_id that will never arrive. Only JSON
+        bodies are read here; forward_backward's protobuf body frees its own (routes/training.py).
+        """
+        body = getattr(request.state, "raw_body", None)
+        if body is None:
+            try:
+                body = await self.body(request)
+            except OversizedBody as e:
+                body = e.head
+            except Exception:  # noqa: BLE001 - a body that cannot be read names no seq_id
+                return
+        named = refused_model_seq(body)
+        if named is not None:
+            self.worker.skip_model_seq(*named)
+
+    async def unrouted(self, request: Request, exc: Exception) -> Response:
+        """Unknown path (404) or wrong method (405): the SDK's error shape, and the seq_id freed."""
+        status = exc.status_code if isinstance(exc, HTTPException) else 404
+        where = f"{request.method} {request.url.path}"
+        if status == 405:
+            allowed = exc.headers.get("Allow", "") if isinstance(exc, HTTPException) and exc.headers else ""
+            message = f"{where}: this endpoint does not take {request.method}; it takes {allowed}"
+        else:
+            message = (
+                f"{where}: localtinker has no such endpoint; this call of the tinker SDK is not supported "
+                "locally (README lists every SDK method and CLI command and whether it works locally)"
+            )
+        await self.release_refused(request)
+        return error_response(status, message)
+
     # ---- bodies ------------------------------------------------------------------------------------
 
     async def body(self, request: Request) -> bytes:
@@ -140,7 +197,9 @@ class ServiceCore:
             size += len(chunk)
             if size > limit:
                 raise OversizedBody(limit, b"".join(chunks))
-        return b"".join(chunks)
+        body = b"".join(chunks)
+        request.state.raw_body = body  # what a refusal reads to free the request's seq_id
+        return body
 
     async def json(self, request: Request, endpoint: str) -> dict[str, Any]:
         return jc.parse_json_object(await self.body(request), endpoint)

@@ -11,7 +11,7 @@ from starlette.routing import Route
 from localtinker.engine.api import CheckpointInfo, checkpoint_ttl_problem
 
 from .. import json_codec as jc
-from ..core import ServiceCore, iso, page, route
+from ..core import ServiceCore, iso, page
 from ..errors import bad_request, not_found
 from ..registry import RunRecord
 
@@ -33,13 +33,13 @@ class CheckpointRoutes:
 
     def routes(self) -> list[Route]:
         return [
-            route("training_runs", self.list_training_runs, "GET"),
-            route("training_runs/{run_id}", self.get_training_run, "GET"),
-            route("training_runs/{run_id}/checkpoints", self.list_run_checkpoints, "GET"),
-            route("training_runs/{run_id}/checkpoints/{checkpoint_id:path}", self.delete_checkpoint, "DELETE"),
-            route("training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl", self.set_checkpoint_ttl, "PUT"),
-            route("checkpoints", self.list_user_checkpoints, "GET"),
-            route("weights_info", self.weights_info, "POST"),
+            self.core.route("training_runs", self.list_training_runs, "GET"),
+            self.core.route("training_runs/{run_id}", self.get_training_run, "GET"),
+            self.core.route("training_runs/{run_id}/checkpoints", self.list_run_checkpoints, "GET"),
+            self.core.route("training_runs/{run_id}/checkpoints/{checkpoint_id:path}", self.delete_checkpoint, "DELETE"),
+            self.core.route("training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl", self.set_checkpoint_ttl, "PUT"),
+            self.core.route("checkpoints", self.list_user_checkpoints, "GET"),
+            self.core.route("weights_info", self.weights_info, "POST"),
         ]
 
     async def _checkpoints(self, run_id: str | None) -> list[CheckpointInfo]:

@@ -7,7 +7,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .. import json_codec as jc
-from ..core import PROTOBUF, ServiceCore, error_response, route
+from ..core import PROTOBUF, ServiceCore, error_response
 
 
 class FutureRoutes:
@@ -16,8 +16,8 @@ class FutureRoutes:
 
     def routes(self) -> list[Route]:
         return [
-            route("retrieve_future", self.retrieve_future, "POST"),
-            route("cancel_future", self.cancel_future, "POST"),
+            self.core.route("retrieve_future", self.retrieve_future, "POST"),
+            self.core.route("cancel_future", self.cancel_future, "POST"),
         ]
 
     async def retrieve_future(self, request: Request) -> Response:

@@ -10,7 +10,7 @@ from localtinker.engine.api import SampleResult
 
 from .. import json_codec as jc
 from .. import proto_codec
-from ..core import ServiceCore, route
+from ..core import ServiceCore
 from ..errors import bad_request, not_found
 from ..futures import Payload
 from ..registry import SamplerRecord
@@ -25,9 +25,9 @@ class SamplingRoutes:
 
     def routes(self) -> list[Route]:
         return [
-            route("create_sampling_session", self.create_sampling_session, "POST"),
-            route("samplers/{sampler_id}", self.get_sampler, "GET"),
-            route("asample", self.asample, "POST"),
+            self.core.route("create_sampling_session", self.create_sampling_session, "POST"),
+            self.core.route("samplers/{sampler_id}", self.get_sampler, "GET"),
+            self.core.route("asample", self.asample, "POST"),
         ]
 
     async def create_sampling_session(self, request: Request) -> Response:

@@ -13,7 +13,7 @@ from starlette.routing import Route
 from localtinker.engine.api import Engine, LoraSpec, ModelInfo
 
 from .. import json_codec as jc
-from ..core import ServiceCore, error_response, route
+from ..core import ServiceCore, error_response
 from ..errors import bad_request, not_found
 from ..futures import Payload
 from ..registry import ModelRecord, RunRecord
@@ -26,16 +26,16 @@ class SessionRoutes:
 
     def routes(self) -> list[Route]:
         return [
-            route("healthz", self.healthz, "GET"),
-            route("client/config", self.client_config, "POST"),
-            route("create_session", self.create_session, "POST"),
-            route("session_heartbeat", self.session_heartbeat, "POST"),
-            route("sessions/{session_id}/finish", self.finish_session, "POST"),
-            route("telemetry", self.telemetry, "POST"),
-            route("get_server_capabilities", self.capabilities, "GET"),
-            route("create_model", self.create_model, "POST"),
-            route("get_info", self.get_info, "POST"),
-            route("load_weights", self.load_weights, "POST"),
+            self.core.route("healthz", self.healthz, "GET"),
+            self.core.route("client/config", self.client_config, "POST"),
+            self.core.route("create_session", self.create_session, "POST"),
+            self.core.route("session_heartbeat", self.session_heartbeat, "POST"),
+            self.core.route("sessions/{session_id}/finish", self.finish_session, "POST"),
+            self.core.route("telemetry", self.telemetry, "POST"),
+            self.core.route("get_server_capabilities", self.capabilities, "GET"),
+            self.core.route("create_model", self.create_model, "POST"),
+            self.core.route("get_info", self.get_info, "POST"),
+            self.core.route("load_weights", self.load_weights, "POST"),
         ]
 
     # ---- sessions ------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from localtinker.engine.api import Engine, ForwardBackwardResult, checkpoint_ttl
 
 from .. import json_codec as jc
 from .. import proto_codec
-from ..core import PROTOBUF, ServiceCore, route, session_of
+from ..core import PROTOBUF, ServiceCore, session_of
 from ..errors import OversizedBody, ProtocolError, bad_request
 from ..futures import Payload
 from ..registry import SamplerRecord
@@ -28,11 +28,11 @@ class TrainingRoutes:
 
     def routes(self) -> list[Route]:
         return [
-            route("forward_backward", self.forward_backward, "POST"),
-            route("optim_step", self.optim_step, "POST"),
-            route("save_weights", self.save_weights, "POST"),
-            route("save_weights_for_sampler", self.save_weights_for_sampler, "POST"),
-            route("create_custom_loss", self.create_custom_loss, "POST"),
+            self.core.route("forward_backward", self.forward_backward, "POST"),
+            self.core.route("optim_step", self.optim_step, "POST"),
+            self.core.route("save_weights", self.save_weights, "POST"),
+            self.core.route("save_weights_for_sampler", self.save_weights_for_sampler, "POST"),
+            self.core.route("create_custom_loss", self.create_custom_loss, "POST"),
         ]
 
     # ---- forward_backward ----------------------------------------------------------------------------
