@@ -1,0 +1,152 @@
+"""A trained preference model as a judge: which of two completions is better, and how sure it is.
+
+:class:`PreferenceModel` scores a :class:`~posttrain.preference.comparison_format.Comparison` with the
+probabilities of the label tokens (``A`` / ``B`` / ``Tie``) after the comparison's prompt, read with
+``SamplingClient.compute_logprobs`` on prompt + label token (one request per label, all in flight at
+once) and normalised over the labels. The cookbook samples one token at temperature 0 instead; the
+probabilities give a graded verdict and make the position bias measurable.
+
+Both orders (``orders="both"``, the default): the comparison is also judged with A and B swapped, and
+the two verdicts are averaged, which cancels a preference for a position. Per order the score is
+``s = p_B − p_A`` in [−1, 1] (+1: the second completion is better, the cookbook's sign); with
+``s_f`` the forward and ``s_s`` the swapped score,
+
+- ``score = (s_f − s_s) / 2`` — how much better B is than A, position bias cancelled;
+- ``position_bias = (s_f + s_s) / 2`` — how much the model favours whatever comes second (0 for a
+  model that judges content only);
+- ``orders_agree`` — the label it would pick is the same completion in both orders.
+
+``second_wins = (1 + score) / 2`` = P(B better) + ½ P(tie) is what a tournament counts as B's win.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import tinker
+
+from posttrain.preference.comparison_format import LABELS, ORDERS, Comparison, ComparisonRenderer, Orders, ScoringInput
+
+
+@dataclass(frozen=True)
+class LabelProbabilities:
+    """P(first better), P(second better), P(tie), normalised over the label tokens."""
+
+    first: float
+    second: float
+    tie: float
+
+    @classmethod
+    def from_logprobs(cls, logprobs: dict[str, float]) -> LabelProbabilities:
+        labels = [label for label in LABELS if label in logprobs]
+        values = np.asarray([logprobs[label] for label in labels], dtype=np.float64)
+        probs = np.exp(values - values.max())
+        probs /= probs.sum()
+        found = dict(zip(labels, probs.tolist()))
+        return cls(found.get("A", 0.0), found.get("B", 0.0), found.get("Tie", 0.0))
+
+    @property
+    def score(self) -> float:
+        """p_B − p_A: +1 when the second completion is surely better."""
+        return self.second - self.first
+
+    @property
+    def verdict(self) -> str:
+        """The most probable label; "Tie" also when A and B are exactly as likely (no preference)."""
+        if self.first == self.second or self.tie > max(self.first, self.second):
+            return "Tie"
+        return "A" if self.first > self.second else "B"
+
+
+@dataclass(frozen=True)
+class PairVerdict:
+    """The judgement of one comparison (see the module docstring for the formulas)."""
+
+    score: float
+    position_bias: float  # NaN when judged in one order
+    orders_agree: bool | None  # None when judged in one order
+    forward: LabelProbabilities
+    swapped: LabelProbabilities | None
+
+    @property
+    def second_wins(self) -> float:
+        """B's win in [0, 1]: P(B better) + ½ P(tie), averaged over the orders judged."""
+        return (1.0 + self.score) / 2.0
+
+    @property
+    def first_wins(self) -> float:
+        return 1.0 - self.second_wins
+
+
+def combine_orders(forward: LabelProbabilities, swapped: LabelProbabilities | None) -> PairVerdict:
+    """The verdict of a comparison from its forward and (optionally) its swapped judgement."""
+    if swapped is None:
+        return PairVerdict(forward.score, math.nan, None, forward, None)
+    swapped_back = {"A": "B", "B": "A", "Tie": "Tie"}[swapped.verdict]
+    return PairVerdict(
+        score=(forward.score - swapped.score) / 2.0,
+        position_bias=(forward.score + swapped.score) / 2.0,
+        orders_agree=forward.verdict == swapped_back,
+        forward=forward,
+        swapped=swapped,
+    )
+
+
+class PendingVerdict:
+    """The compute_logprobs requests of one comparison (one per label and order), in flight."""
+
+    def __init__(self, forward: dict[str, object], swapped: dict[str, object] | None):
+        self._forward = forward
+        self._swapped = swapped
+
+    def result(self) -> PairVerdict:
+        return combine_orders(_probabilities(self._forward), _probabilities(self._swapped) if self._swapped else None)
+
+
+def _probabilities(futures: dict[str, object]) -> LabelProbabilities:
+    logprobs = {}
+    for label, future in futures.items():
+        values = future.result()  # type: ignore[attr-defined]
+        last = values[-1] if values else None
+        if last is None or not math.isfinite(last):
+            raise RuntimeError(f"compute_logprobs returned no finite logprob for the label {label!r}: {values[-3:] if values else values}")
+        logprobs[label] = float(last)
+    return LabelProbabilities.from_logprobs(logprobs)
+
+
+class PreferenceModel:
+    """A sampling client on preference-model weights + the comparison renderer it was trained with."""
+
+    def __init__(
+        self,
+        sampling_client: tinker.SamplingClient,
+        renderer: ComparisonRenderer,
+        *,
+        orders: Orders = "both",
+        labels: Sequence[str] = LABELS,
+    ):
+        if orders not in ORDERS:
+            raise ValueError(f"orders={orders!r} is not one of {ORDERS}")
+        unknown = sorted(set(labels) - set(LABELS))
+        if unknown or not {"A", "B"} <= set(labels):
+            raise ValueError(f"labels {list(labels)} must include 'A' and 'B' and be among {LABELS}")
+        self.sampling_client = sampling_client
+        self.renderer = renderer
+        self.orders = orders
+        self.labels = tuple(labels)
+
+    def _submit_order(self, comparison: Comparison) -> dict[str, object]:
+        scoring: ScoringInput = self.renderer.scoring_input(comparison, self.labels)
+        return {label: self.sampling_client.compute_logprobs(scoring.sequence(label), prompt_logprobs_last_n=1) for label in self.labels}
+
+    def submit(self, comparison: Comparison) -> PendingVerdict:
+        swapped = self._submit_order(comparison.swap()) if self.orders == "both" else None
+        return PendingVerdict(self._submit_order(comparison), swapped)
+
+    def judge(self, comparisons: Sequence[Comparison]) -> list[PairVerdict]:
+        """Every comparison's verdict; all requests are submitted before any is awaited."""
+        pending = [self.submit(comparison) for comparison in comparisons]
+        return [item.result() for item in pending]

@@ -1,0 +1,57 @@
+"""Win rate ± s.e. of a policy over a reference, and a preference model's held-out accuracy, by hand."""
+
+import math
+
+import pytest
+
+from posttrain.datasets.problems import RLProblem
+from posttrain.preference.comparison_eval import accuracy_metrics, comparison_metrics
+from posttrain.preference.env import PreferencePrompt
+from posttrain.preference.preference_model import LabelProbabilities, combine_orders
+from tests.posttrain.preference.judges import ShorterIsBetter
+
+
+def problem(row_id: str, answer: str) -> RLProblem:
+    return RLProblem(row_id, "heldout", "sum", f"What is {answer}?", answer, "exact_number", "{}")
+
+
+def test_win_rate_and_its_standard_error_match_a_hand_computation():
+    prompts = [PreferencePrompt(f"p{i}", [{"role": "user", "content": f"q{i}"}], problem(f"p{i}", "12")) for i in range(4)]
+    mine = ["12", "The answer is 12", "12", "99"]
+    theirs = ["The sum is 12", "12", "12", "100"]
+    metrics = comparison_metrics(prompts, mine, theirs, ShorterIsBetter())
+    # shorter wins: win, loss, tie, win -> scores 1, 0, ½, 1
+    scores = [1.0, 0.0, 0.5, 1.0]
+    mean = sum(scores) / 4
+    stderr = math.sqrt(sum((s - mean) ** 2 for s in scores) / 3 / 4)
+    assert metrics["win_rate"] == pytest.approx(mean) and metrics["win_rate_stderr"] == pytest.approx(stderr)
+    assert metrics["win_rate_n"] == 4.0
+    assert metrics["judge_position_bias"] == 0.0
+    # the verifier: mine 3/4 correct, theirs 3/4; per prompt differences 0, 0, 0, 0
+    assert metrics["accuracy"] == 0.75 and metrics["opponent_accuracy"] == 0.75
+    assert metrics["accuracy_stderr"] == pytest.approx(math.sqrt(0.75 * 0.25 / 3))
+    assert (metrics["accuracy_delta"], metrics["accuracy_delta_stderr"]) == (0.0, 0.0)
+
+
+def test_a_position_biased_judge_shows_its_bias():
+    prompts = [PreferencePrompt("p", [{"role": "user", "content": "q"}])]
+    metrics = comparison_metrics(prompts, ["aa"], ["a"], ShorterIsBetter(bias=0.3))
+    # forward: the second ("a") is better, P = 1.0 (+0.3, clipped): s_f = 1.0; swapped: the second ("aa")
+    # gets 0.0 + 0.3: s_s = 0.3 - 0.7 = -0.4. score = (1.0 + 0.4) / 2 = 0.7, so "aa" wins (1 - 0.7) / 2.
+    assert metrics["win_rate"] == pytest.approx(0.15)
+    assert metrics["judge_position_bias"] == pytest.approx((1.0 - 0.4) / 2)
+    assert "accuracy" not in metrics  # no verifier
+
+
+def test_preference_accuracy_counts_the_chosen_preferred_in_both_orders():
+    right = combine_orders(LabelProbabilities(0.9, 0.1, 0.0), LabelProbabilities(0.2, 0.8, 0.0))
+    biased = combine_orders(LabelProbabilities(0.3, 0.7, 0.0), LabelProbabilities(0.1, 0.9, 0.0))  # says "second" twice
+    wrong = combine_orders(LabelProbabilities(0.2, 0.8, 0.0), LabelProbabilities(0.7, 0.3, 0.0))
+    metrics = accuracy_metrics([right, biased, wrong])
+    # chosen wins, both orders averaged: right (1 + 0.7) / 2, biased (1 + 0.2) / 2, wrong (1 - 0.5) / 2
+    assert metrics["comparison_accuracy"] == pytest.approx(2 / 3)
+    assert metrics["accuracy_chosen_first"] == pytest.approx(1 / 3)
+    assert metrics["accuracy_chosen_second"] == pytest.approx(2 / 3)
+    assert metrics["orders_agree"] == pytest.approx(2 / 3)
+    assert metrics["position_bias"] == pytest.approx(((-0.8 + 0.6) / 2 + (0.4 + 0.8) / 2 + (0.6 - 0.4) / 2) / 3)
+    assert metrics["comparison_accuracy_n"] == 3.0
