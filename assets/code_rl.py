@@ -83,8 +83,7 @@ CODE_RL = TrainingSpec(
     build=build_code_rl,
     parent_assets=("sft_checkpoint",),
     default_init_from="",
-    # Measured on SmolLM2-135M-Instruct (README): 8 steps of 4 groups × 4 at a constant 4e-4, rank 16, lift
-    # held-out sampled pass@1 from 0.35 to 0.53; the defaults run twice as long.
+    # Defaults that measurably lift SmolLM2-135M-Instruct's held-out pass@1 in minutes (docs/benchmarks.md, code RL).
     defaults={
         "env": CODE_ENV,
         "group_size": 4,

@@ -377,8 +377,7 @@ DPO = TrainingSpec(
     build=build_dpo,
     parent_assets=SAMPLER_ASSETS,
     default_init_from="latest:sft",
-    # Measured on the demo task (README, DPO): LR 1e-4 × 2 epochs overfit the pairs and lowered held-out accuracy
-    # 0.875 → 0.708; LR 2e-5 × 1 epoch kept it (0.875 → 0.896).
+    # A gentle LR: on the demo task 5× this overfit the pairs and lowered held-out accuracy (docs/benchmarks.md, make demo).
     defaults={"learning_rate": 2e-5, "lora_rank": 16, "save_every": 10},
     extra_deps=(REFERENCE_ASSET,),
     input_choice=("pairs", PAIR_ASSETS),

@@ -4,23 +4,15 @@ bf16 models multiply q·kᵀ and the weights·v in bf16 (float32 accumulation in
 scores widened to float32 for the scale, the mask and the softmax, and the weights rounded back to bf16
 for the second product: the numerics of transformers' ``eager`` attention under bf16, where FlashAttention
 on a GPU differs only in keeping the scores in float32. torch's CPU attention kernels are slow on such
-models' shapes: its bf16 flash backward took 12.8 ms per layer against 5.4 ms in float32 (2026-11-24),
-and the float32 one still runs at ~40 GFLOP/s. Measured on an AVX512-BF16 EPYC (2026-11-26, 2 threads,
-forward and backward of one SmolLM2 layer, 9 query and 3 key heads): 4 rows × 128 tokens 1.35 against
-3.89 ms for float32 flash, 8 × 64 0.77 against 2.41, 16 × 48 0.92 against 3.36, 1 × 512 5.99 against
-14.9. Whole ``forward_backward`` calls, same engine alternating (best of 4): SFT 8 × 128 1.38 → 1.29 s,
-2 × 512 2.09 → 1.65 s; a GRPO step's 16 × 4 (with shared_prefix_attention.py) 1.78 → 1.58 s; 4 DPO pairs
-of 64 + 64 1.11 → 0.99 s. Rounding the scores to bf16 barely shows in the model's output: over 2048
-tokens of text in rows of 128 (512), the bf16 model's logprobs differ from the float32 model's by a mean
-of 0.0346 (0.0304) nats with it against 0.0342 (0.0303) with float32 attention, p99 0.177 (0.165) against
-0.179 (0.160), max 0.41 (0.45) against 0.34; sampler against trainer on 32 sampled answers, mean 0.028
-against 0.031, max 0.26 against 0.19.
+models' shapes (its bf16 flash backward is slower than its float32 one), and these products are 2-3×
+faster per layer while rounding the scores to bf16 barely moves the model's logprobs (figures and the
+bench that set this: docs/engine-notes.md, attention; bench/bench_engine_train.py).
 
 These products keep the weights for the backward, 6 bytes per score (float32 for the softmax, bf16 for
 the product) where flash keeps a few bytes per token: a call takes them only while its scores are at
 most :data:`MAX_SCORES` (one 682-token row with SmolLM2's 9 heads; ~24 MB per layer). Larger calls,
-float32 models (float32 products were no faster than flash overall, 4.47 against 3.89 ms at 4 × 128 and
-23.1 against 14.9 at 1 × 512: exactly transformers' ``sdpa``), float masks and options the products do
+float32 models (float32 products were no faster than flash: exactly transformers' ``sdpa``), float masks
+and options the products do
 not implement go through ``sdpa`` in float32, as before.
 
 A sampler's decode steps hand it the shared-prompt keys of ``shared_prompt_kv.py``, and the members of a

@@ -1,8 +1,7 @@
 """The unembedding of a bf16-compute model: bulk logits in bf16, the few that carry the mass in float32.
 
-On a CPU with native bf16 (bf16_matmul.py) the float32 unembedding was the largest single cost left:
-[512 × 576] × [576 × 49152] took 391 ms in float32 against 150 ms in bf16 through oneDNN's packed
-kernel (AVX512-BF16 EPYC, 2026-11-24, one thread), and a 32-row decode step 36 ms against 10 ms. But
+On a CPU with native bf16 (bf16_matmul.py) the float32 unembedding was the largest single cost left,
+and bf16 runs it ~2.5× faster (docs/engine-notes.md, precision). But
 bf16 logits are rounded to ~0.06 at typical magnitudes, and the log-sum-exp is dominated by the top
 few tokens, so bf16 logits alone shift every logprob by a few hundredths.
 
@@ -88,8 +87,8 @@ def exact_logits_at(hidden: torch.Tensor, lm_head: torch.nn.Module, columns: tor
 
 
 def _gathered_rows(weight: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """``weight[columns]`` [rows × K × d] through ``index_select``: the same rows, and 3-4× faster than
-    advanced indexing on CPU (0.19 against 0.05 ms for 32 × 32 rows of SmolLM2's 49152 × 576 head)."""
+    """``weight[columns]`` [rows × K × d] through ``index_select``: the same rows, several times faster than
+    advanced indexing on CPU."""
     return weight.index_select(0, columns.reshape(-1)).view(*columns.shape, weight.shape[-1])
 
 

@@ -2,9 +2,8 @@
 
 ``dtype="bfloat16"`` keeps the frozen base weights in bf16. Whether its matmuls should also run in
 bf16 depends on the CPU, and no flag in /proc/cpuinfo says so reliably: on AVX2-only CPUs torch
-emulates bf16 (measured 1.3–1.4 vs 90–95 GFLOP/s float32 on an AVX2 EPYC), on an earlier AVX512-BF16
-CPU without AMX bf16 GEMMs ran at about half the float32 rate, and on an AVX512-BF16 EPYC (Zen 4, no AMX) at twice it
-(211 vs 104 GFLOP/s, 2026-11-24). So the engine times one layer-shaped product both ways, on the
+emulates bf16 (~70× slower than float32), some AVX512-BF16 CPUs run it at half the float32 rate and
+others at twice it (docs/engine-notes.md, precision). So the engine times one layer-shaped product both ways, on the
 threads it will use, and computes in bf16 only where that is clearly faster.
 
 ``LOCALTINKER_BF16_MATMUL=bfloat16`` or ``=float32`` skips the measurement and forces the choice.

@@ -117,8 +117,8 @@ def length_chunks(lengths: list[int], max_tokens: int = PREFILL_CHUNK_TOKENS) ->
     few columns; every length up to 32 is close to every other, as in ``width_class``), at most
     ``max_tokens`` padded tokens per group (one prompt longer than that is a group of its own). Every
     prompt padded to the longest of the admission made a 1000-token prompt among 63 short ones cost
-    64 × 1000 tokens of prefill; each further group costs a whole forward's per-op time (~30 ms on
-    SmolLM2, 2 threads), so groups are as few as that padding bound allows."""
+    64 × 1000 tokens of prefill; each further group costs a whole forward's per-op time, so groups are as
+    few as that padding bound allows (bench/bench_rl_sampling.py's long-prompt line)."""
     chunks: list[list[int]] = []
     shortest = 0
     for index in sorted(range(len(lengths)), key=lengths.__getitem__):

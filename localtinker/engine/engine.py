@@ -55,23 +55,13 @@ from localtinker.engine.retained_forward import LogprobBatch, RetainedForward, f
 from localtinker.engine.sample_stream import SampleStream, SamplingTarget
 from localtinker.engine.sampler import validate_sample_spec
 
-# Padded tokens per forward/backward micro-batch; losses and gradients are sums, so splitting is exact.
-# Small micro-batches of length-sorted rows pad less (rows of similar length go together) and keep the
-# elementwise passes in cache: on chat-like rows of 20-512 tokens, 512 trains 1.3x faster than 2048
-# (per unit of the box's torch.mm speed, 3 interleaved repeats), with no change on equal-length 8x128
-# batches. Rows longer than this run alone. Activations cost ~1.2 MB/token on SmolLM2-135M.
+# Padded tokens per forward/backward micro-batch (losses and gradients are sums, so splitting is exact):
+# length-sorted rows in small micro-batches pad less and keep elementwise passes in cache. Rows longer than
+# this run alone. Set by bench/bench_engine_sft_varlen.py (figures: docs/engine-notes.md, micro-batches).
 TRAIN_MICROBATCH_TOKENS = 512
-# Datums that share a prompt (prefix_sharing.py) go in micro-batches this many times larger: such a
-# micro-batch runs its prompts, then its members' own tokens (a root common to the prompts first), each
-# pass a fraction of the micro-batch that pays the per-op cost of a whole forward and backward, and the
-# rank-16 LoRA products gain from more rows each. Measured A/B on SmolLM2-135M (one engine, 4 alternating
-# importance-sampling steps each, best): 16 prompts × 4 samples of 40 + 16 tokens (bench_rl_step.py's
-# shape) at factor 4 against 2: bf16 2.26 → 1.86 s on 2 threads, 3.72 → 3.19 s on 1; float32 2.99 → 2.63 s
-# on 2; 16 × 4 of ~160 + 100 tokens 18.4 → 15.7 s, 16 × 8 of ~60 + 48 tokens 12.3 → 10.6 s (bf16, 2
-# threads). Factor 8 took the ~160 + 100 batch to 14.2 s but its peak memory to 7.6 GB (4.3 GB at 4,
-# 2.5 GB at 2). Earlier, factor 2 against 1: 4 DPO pairs of 64 + 64 tokens 1.10× in bf16 on 1 thread, 1.18×
-# on 2. Plain rows keep 512: at 1024, chat-like rows of 20-512 tokens trained 0.92-1.02× as fast and 8×128
-# rows 1.01-1.05×.
+# Datums that share a prompt (prefix_sharing.py) take micro-batches this many times larger: their prompt
+# and own-token passes each pay a whole pass's per-op cost, and the LoRA products gain from more rows; 8
+# was faster still but nearly doubled peak memory. Set by bench/bench_rl_step.py (docs/engine-notes.md).
 SHARED_MICROBATCH_FACTOR = 4
 # Datums sharing a prompt (an RL group, a DPO pair) run it once (prefix_sharing.py). False: every datum
 # runs whole (benchmarks and tests compare the two).
@@ -84,9 +74,9 @@ RETAIN_FORWARDS = True
 RETAINED_FORWARD_TOKENS = 2048
 # Snapshots of a training model's weights (save_weights_and_get_sampling_client) kept per model.
 SNAPSHOTS_PER_MODEL = 8
-# Sampler adapters kept resident per base model (others reload from disk on use, ~0.1 s). Two cover an RL
-# loop's current and previous snapshot; with more, each of an RL run's first snapshots paid peft's injection
-# of a new adapter (0.2–0.3 s) until the set was full (engine README: save_weights_and_get_sampling_client).
+# Sampler adapters kept resident per base model (others reload from disk on use). Two cover an RL loop's
+# current and previous snapshot; more made each of a run's first snapshots pay peft's adapter injection
+# until the set was full (bench/bench_rl_step.py; docs/engine-notes.md, save_weights_and_get_sampling_client).
 RESIDENT_SAMPLER_ADAPTERS = 2
 # Of those, how many sample through weights with the LoRA folded in (merged_lora.py; float32 only). Each
 # costs a copy of the adapted base weights (540 MB on SmolLM2-135M): two cover an RL loop's current and

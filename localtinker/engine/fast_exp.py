@@ -1,8 +1,7 @@
 """``exp`` of float32 tensors through ``exp2``: the same values to a few parts per million, ~3× faster on CPU.
 
-torch's CPU ``exp`` kernel for float32 is far slower than its ``exp2`` (the AVX-512 torch 2.13 wheel, Zen 5
-EPYC, 2026-11-26, one thread: 0.49 against 0.17 ms for [16 × 49152], the multiply included; 0.12 against
-0.04 ms for a decode step's attention scores), and the engine takes an ``exp`` over the whole vocabulary
+torch's CPU ``exp`` kernel for float32 is ~3× slower than its ``exp2`` (docs/engine-notes.md, after
+Pass 7), and the engine takes an ``exp`` over the whole vocabulary
 for every token it trains on (the loss's forward and backward) and every token it samples. So
 ``exp(x) = exp2(x · log2 e)``: the rounding of the product adds a relative error of at most |x|·2⁻²⁴·log2 e
 (3.8e-6 at x = −87, 1.8e-6 over [−30, 0], against 6e-8 for ``exp``), and these callers take ``exp`` of

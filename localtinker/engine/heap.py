@@ -4,11 +4,9 @@ glibc's malloc serves every block above its mmap threshold (at most 32 MB) with 
 hands it back to the kernel on ``free``; in a thread other than the main one, any block larger than
 the thread's 64 MB heap takes the same path whatever the threshold. The engine allocates several
 [tokens × vocab] float32 buffers per micro-batch (100 MB each for 512 tokens × SmolLM2's 49152), so
-every SFT step touched ~800 MB of brand-new pages: ~200k minor page faults. On a virtual machine a
-first touch also faults on the host; measured on a Firecracker VM (2026-11-24, 8×128 SFT step, float32,
-1 thread): 0.8–1.3 s of system time per ~8.8 s step, and a [512 × 49152] subtraction that takes 7 ms
-on warm pages took 280 ms on fresh ones. With the settings below the same steps took 0 faults and
-no system time.
+every SFT step touched ~800 MB of brand-new pages. On a virtual machine a first touch also faults on
+the host, which cost ~10% of a step in system time (docs/engine-notes.md, heap); with the settings below
+a step page-faults nothing from the second step on.
 
 What it sets, process-wide (it is an allocator policy, so it cannot be scoped to the engine):
 

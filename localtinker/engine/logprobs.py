@@ -129,7 +129,7 @@ class RefinedTargetLogprob(torch.autograd.Function):
         grad_logits = _scaled_shifted_exp(logits, maxes, scale, columns, share, torch.bfloat16)
         own = torch.where(refined_target, 0.0, grad_output * scale).to(torch.bfloat16)
         # One element per row, so an indexed add: a bf16 scatter_add_ adds through a float32 copy of the
-        # whole [rows × vocab] gradient (32-46 ms of a 2 s GRPO step at 832 rows); the sums are the same.
+        # whole [rows × vocab] gradient; the sums are the same.
         rows = torch.arange(len(targets))
         grad_logits[rows, targets] += own
         grad_exact = exact_weights * share + in_columns * (grad_output * scale)[:, None]
@@ -138,10 +138,8 @@ class RefinedTargetLogprob(torch.autograd.Function):
 
 # Rows of exp(logits − max) made at a time: 16 × 49152 float32 is 3 MB, which stays in cache between the
 # passes over it, and nothing of that size is kept for the backward but the logits (bf16 for a bf16 model:
-# half of the float32 buffer kept before). Bit for bit the values of whole-tensor passes. In the engine
-# (heap.py keeps big buffers mapped) the 8×128 bf16 SFT step gained ~1% (2.518 against 2.540 s, best of 5
-# alternating, one thread, AVX512-BF16 EPYC, 2026-11-26); with fresh page-faulting buffers the loss over
-# [512 × 49152] bf16 logits took 160 against 270 ms.
+# half of the float32 buffer kept before). Bit for bit the values of whole-tensor passes; mostly a memory
+# saving (bench/bench_engine_train.py; docs/engine-notes.md, large temporaries).
 _ROWS_PER_PASS = 16
 
 
@@ -205,10 +203,8 @@ def next_token_logit_blocks(
     reused buffer: the float32 copy of bf16 logits, the refinement, and the caller's token choice (max,
     exp, sums) then pass over [32 × 49152] in cache instead of [rows × 49152] in memory, and no
     [rows × vocab] float32 buffer exists (100 MB at 512 rows). Per-row values are those of
-    :func:`next_token_logits`, bit for bit (tested). A small gain, measured on the Zen 5 EPYC (2026-11-26,
-    SmolLM2 bf16, one process alternating whole-batch and 32-row blocks, best of 4): 64 prompts × 8
-    samples × 12 tokens 6.244 → 6.114 s on one thread, 3.461 → 3.381 s on two (−2%); 16 × 4 on two
-    threads 0.809 → 0.800 s. Blocks of 16 rows were no better than 32 on two threads.
+    :func:`next_token_logits`, bit for bit (tested). A small gain (~2% of RL-shaped sampling,
+    bench/bench_rl_sampling.py; docs/engine-notes.md, large temporaries).
     """
     logits = lm_head(hidden_last)
     convert = logits.dtype != torch.float32 or refines_logits(lm_head)
@@ -239,8 +235,7 @@ def _refined_columns(logits: torch.Tensor) -> torch.Tensor:
     Selected by blocks of :data:`SELECTION_BLOCK` columns: a row's K largest lie in the K blocks whose
     maxima are largest (a value outside them is at most its own block's maximum, which is at most each of
     those K maxima), so a top-K over the block maxima, then one over those K blocks' columns, finds them.
-    On SmolLM2's 49152 columns, 32 rows: 0.56 ms against 1.23 for ``torch.topk`` over whole rows (bf16 or
-    float32; Zen 5 EPYC, one thread, 2026-11-26), ~11 ms of a 512-row decode step. Values are compared
+    About twice as fast as ``torch.topk`` over whole rows (docs/engine-notes.md, after Pass 8). Values are compared
     in float32, 32 rows at a time: the sampler passes its float32 copy of the bf16 logits, the trainer
     its bf16 logits, so both select on the same numbers, by the same steps. Among values tied at the
     K-th place either may be taken, as with ``torch.topk``; a row's choice never depends on other rows.

@@ -96,8 +96,8 @@ class AdapterHost:
     def reusable_for(self, name: str, spec: LoraSpec) -> bool:
         """Whether adapter ``name`` has the layers and rank ``spec`` asks for, so that another snapshot's
         weights can be imported into it (``import_weights``) instead of injecting a new adapter: peft's
-        injection walks every module of the model (0.19–0.49 s on SmolLM2-135M, 3–8% of an RL step that
-        samples a new snapshot each step). Call :meth:`forget_derived` before reusing it."""
+        injection walks every module of the model, a few % of an RL step that samples a new snapshot each
+        step. Call :meth:`forget_derived` before reusing it."""
         return self._layouts.get(name) == _layout(spec)
 
     def forget_derived(self, name: str) -> None:
@@ -237,9 +237,8 @@ _CAST = "_localtinker_cast_factors"  # on a peft LoRA linear: {adapter: (key, A,
 def _cast_factors(layer: Any, name: str, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A and (s·B)ᵀ of adapter ``name`` rounded to ``compute``, kept until the factors change.
 
-    Without autograd (sampling, forward-only passes) the same rounded factors serve every call: in a bf16
-    decode step of 64 rows the per-call scaling and casts made an unmerged LoRA sampler ~1.5× slower than
-    the bare model (1.7 vs 2.65 s for 16 prompts × 4 samples, 2 threads). The key holds each factor's
+    Without autograd (sampling, forward-only passes) the same rounded factors serve every call: per-call
+    scaling and casts made an unmerged bf16 LoRA sampler ~1.5× slower than the bare model. The key holds each factor's
     storage and version counter, which every in-place update (the optimizer, a checkpoint load) bumps.
     """
     lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight

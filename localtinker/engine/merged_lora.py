@@ -2,11 +2,10 @@
 
 Unmerged, every adapted linear of a decode step runs the base product and then two more small ones,
 (x Aᵀ)(s·B)ᵀ, added into the output: on SmolLM2-135M that is 211 layers × 2 extra matmuls and a pass
-over each output per step, 7.7% of a 32-prompt sampling call (4.87 vs 4.52 s against the bare base
-model, float32, one thread, 4 interleaved repeats). A sampler's weights never change, so its
-adapter can be merged once: W' = W + s·B·A, one product per layer (0.16-0.18 s for all 134 M weights
-here, 0.4 s the first time, when the pages are fresh; a layer's buffer is kept for the next merge, so
-an RL loop that makes a snapshot per step pays the page faults once). Where ``packed_linear`` packs
+over each output per step, several % of a sampling call (bench/bench_engine_sample.py; docs/engine-notes.md).
+A sampler's weights never change, so its adapter can be merged once: W' = W + s·B·A, one product per
+layer; a layer's buffer is kept for the next merge, so an RL loop that makes a snapshot per step pays
+the page faults once. Where ``packed_linear`` packs
 the base layer, only W' packed is kept (W''s buffer is the one kept for the next merge); elsewhere W'.
 So a merged adapter holds one copy of the adapted weights, and the kept buffers one more at most.
 
@@ -40,8 +39,8 @@ _LAYERS = "_localtinker_lora_layers"  # on the model: {adapter name: its peft Lo
 
 
 def lora_layers(model: torch.nn.Module, name: str) -> list[Any]:
-    """The peft LoRA linears adapter ``name`` touches. Remembered on the model: walking every module of
-    SmolLM2-135M takes ~5 ms, and publishing a sampler snapshot asked for the list three times. A
+    """The peft LoRA linears adapter ``name`` touches. Remembered on the model: walking every module takes
+    milliseconds, and publishing a sampler snapshot asks for the list three times. A
     remembered list is used while each of its layers still holds the adapter (adapter names are never
     reused, and adding another adapter does not change this one's layers)."""
     remembered = model.__dict__.setdefault(_LAYERS, {})

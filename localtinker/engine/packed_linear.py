@@ -1,16 +1,13 @@
 """Frozen linear layers through oneDNN with their weights packed once, for sampling.
 
 ``F.linear`` hands every call to an sgemm that re-packs the weight matrix into its blocked layout each
-time; with the few rows of a decode step that packing is most of the call. Measured on a 2-core AVX2
-EPYC, one thread: the unembedding, [32 × 576] × [576 × 49152], ran at 27 GFLOP/s through ``F.linear``
-and 49 with the weight packed once by oneDNN (44 vs 62 with 256 rows); the 576- and 1536-wide
-projections are near ties. Which one wins depends on the CPU and the shape, so
+time; with the few rows of a decode step that packing is most of the call (the unembedding ran ~1.8×
+faster packed on an AVX2 EPYC; docs/engine-notes.md). Which one wins depends on the CPU and the shape, so
 :func:`pack_frozen_linears` times both at a model's first sampling (the decode batch calls it), per
 weight shape, with 32 rows (a decode step) and 128 (a prefill), and packs a weight only where the
 packed kernel wins clearly with few rows (≥ 10%) and is no slower with many (≤ 5%): near-ties, whose
-outcome varies from run to run, stay with ``F.linear``. The margin must sit below the real wins: at
-25% the unembedding (25-45% faster with 32 rows in repeated probes on the EPYC) was packed in one
-process and not in the next.
+outcome varies from run to run, stay with ``F.linear``. The margin must sit below the real wins, or a
+layer is packed in one process and not in the next.
 
 A packed weight serves every call of that layer, whatever its row count, so a row's output never
 depends on the rows beside it (the packed kernel is batch-invariant; tested) and a request samples the
@@ -20,9 +17,8 @@ only without autograd: the packed kernel sums in another order (logits differ fr
 (packed_training.py), and where both pack a layer they share the packed W.
 Costs one extra copy of each packed weight (the unembedding's is 113 MB on SmolLM2-135M).
 
-bf16 weights of a model that computes in bf16 (bf16_matmul.py) are probed and packed the same way: on
-an AVX512-BF16 EPYC (2026-11-24, one thread) the packed bf16 kernel ran SmolLM2's projections 1.5–1.8×
-faster with one row, 1.15× with 32, and was a near-tie from 128 rows on; batch-invariant like the float32 one.
+bf16 weights of a model that computes in bf16 (bf16_matmul.py) are probed and packed the same way; the
+packed bf16 kernel is batch-invariant like the float32 one.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The trainer's frozen linears through oneDNN with packed weights, forward and input gradient.
 
-``F.linear`` runs on the BLAS torch ships (MKL), which on some CPUs leaves speed on the table: on an
-AVX512-BF16 EPYC (Zen 4, 2026-11-24, one thread, 512 rows) MKL ran SmolLM2's layer shapes at 77–100
-GFLOP/s and oneDNN's kernel with the weight packed once at 93–113 (the unembedding 77 → 93). On the
-AVX2 EPYC the 576- and 1536-wide projections were near ties (packed_linear.py). So, once per model
+``F.linear`` runs on the BLAS torch ships (MKL), which on some CPUs leaves speed on the table (oneDNN's
+packed kernel was 10-20% faster on a Zen 4 EPYC, a tie on an AVX2 one; docs/engine-notes.md). So, once per model
 and weight shape, :func:`pack_for_training` times a training micro-batch's two products through that
 weight, the forward x·Wᵀ and the input gradient g·W, both ways, and packs where oneDNN wins by ≥ 5%.
 
@@ -14,9 +12,7 @@ tensor. Every trainer pass of a packed layer takes the packed kernel, with or wi
 ``forward`` and ``forward_backward`` logprobs stay identical; sampling keeps its own choice.
 
 Where bf16 is native (bf16_matmul.py) the bf16 weights of a ``dtype="bfloat16"`` model are probed and
-packed the same way, in bf16. There the gain is small: oneDNN's packed bf16 kernel is 3–6% faster at
-512 rows, and an A/B of the 8×128 SmolLM2 step measured 4.43–4.50 s packed against 4.47–4.70 s plain
-(2026-11-24, AVX512-BF16 EPYC, one thread).
+packed the same way, in bf16, where the gain is small (a few %, bench/bench_engine_train.py).
 """
 
 from __future__ import annotations

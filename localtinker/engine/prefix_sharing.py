@@ -7,7 +7,7 @@ A causal model's hidden states over a prompt do not depend on what follows it, s
 shared prefix once per group — its keys and values, with their autograd graph, become the cache the
 members' own tokens attend to — and the gradients every member sends back into the prefix are summed by
 autograd, as they would be across separate rows. Same function, same gradients; ``(G − 1) × prefix``
-fewer tokens through the model (16 arithmetic prompts × 4 samples: 2.2× fewer). The logprobs of prompt
+fewer tokens through the model. The logprobs of prompt
 positions, identical across the group, are computed once too.
 
 :func:`group_by_prefix` picks the groups: datums sorted by their tokens, so those with a common prefix

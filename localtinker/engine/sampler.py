@@ -3,7 +3,7 @@
 A row is one sample of one request. Each row carries its own temperature, top-k, top-p, token budget,
 stop strings/ids and random generator, seeded from the request seed and the sample index, so the same
 seed gives the same samples whatever else is decoding beside it, up to float rounding: BLAS sums 1-3
-rows in another order than 4 or more (engine README). See ``decode_batch.py`` for the KV cache the rows
+rows in another order than 4 or more (engine README, determinism). See ``decode_batch.py`` for the KV cache the rows
 share and ``sample_stream.py`` for how requests join and leave.
 
 Reported logprobs are those of the temperature-scaled, *unfiltered* distribution: at temperature 1 the
@@ -119,8 +119,8 @@ def choose_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Te
 
     Overwrites ``logits`` (float32 [rows, vocab], the caller's own): this runs for every row at every
     decode step over the 49k vocabulary, and a fresh [rows × vocab] buffer costs a page-faulting
-    allocation on top of its pass (with 512 rows a buffer is 100 MB; ``exp`` into a new one took 82 ms a
-    step, in place ~15). Without top-k/top-p it allocates none: max, subtract, exp and sum in place, then
+    allocation on top of its pass (100 MB at 512 rows). Without top-k/top-p it allocates none: max,
+    subtract, exp and sum in place, then
     :func:`_inverse_cdf`, which cumulates one block per row instead of the whole vocabulary. One uniform
     per row from the row's own generator.
     """

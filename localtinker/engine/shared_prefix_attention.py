@@ -5,8 +5,7 @@ attend to its group's prompt and to themselves. Copying the prompt's keys and va
 and running ``scaled_dot_product_attention`` over them cost, per layer: the copy (and in the backward the
 ``index_put`` that sums the members' gradients back), the grouped-query expansion of those keys to every
 query head (and its summing backward), and CPU flash attention with a mask, which is slow on such small
-blocks. Profiled in a GRPO step (16 prompts of 38 tokens × 4 samples of 16, bf16, 2 threads, AVX512-BF16
-EPYC, 2026-11-26): ~0.39 s of the 2.64 s ``forward_backward``.
+blocks: ~15% of a GRPO step's ``forward_backward`` (docs/engine-notes.md, shared prompts; bench/bench_rl_step.py).
 
 Here, as in the sampler's decode steps (shared_prompt_kv.py), the attention is computed in two parts:
 
@@ -20,11 +19,9 @@ keys and values through the one product. Same function as the copied-prompt atte
 rounding.
 
 It stores the attention probabilities for the backward ([members × heads × own × (prompt + own)]), so it
-serves short own parts only (:data:`MAX_OWN_TOKENS`): RL completions, short DPO responses. Measured per
-layer, forward and backward, one thread (same day): 13 groups × 4 members, 15 own tokens after 42 of
-prompt, 17.9 ms copied-prompt flash against 9.5 ms; 4 × 8 members of 16 after 400, 64.1 against 27.6 ms;
-13 × 4 of 32 after 42, 28.0 against 23.1 ms; at 48 own tokens a tie, at 128 flash wins (23.9 against 27.6
-ms for 4 pairs after 64). Under that bound it also stores less than the copied-prompt path, whose flash
+serves short own parts only (:data:`MAX_OWN_TOKENS`): RL completions, short DPO responses; the two paths
+tie at ~48 own tokens and flash wins beyond (per-layer timings: docs/engine-notes.md). Under that bound it
+also stores less than the copied-prompt path, whose flash
 attention keeps every member's copy of the prompt's keys and values expanded to all query heads.
 """
 

@@ -9,18 +9,15 @@ exponentials:
   ([rows of the prompt × query heads of a key head] × keys), reading each prompt once;
 - *own part*: each row against the columns it generated itself.
 
-Measured on an AVX512-BF16 EPYC (2026-11-24, one thread, the attention functions alone on 512 rows =
-64 prompts × 8, 48 prompt + 1-16 own columns, bf16 keys): 6.9-8.0 ms per layer with copied prompts,
-3.4-4.4 ms shared (against ``decode_attention``, the copied-prompt function before this module, at
-``935d925``).
+About twice as fast per layer as copied prompts for 64 prompts × 8 rows (docs/engine-notes.md, shared
+prompts; bench/bench_rl_sampling.py).
 
 Layout, chosen so that padding never costs more than about a quarter of what is stored:
 
 - *prompt shelves*: prompts of about the same length (one width class, :func:`width_class`) share a
   tensor ``[prompts, key heads, columns, dim]``, left-aligned by padding that a 0/1 mask hides. One
-  tensor for every prompt made each prompt as wide as the longest: a 1000-token prompt added to 63 of
-  30-80 made a 64 × 8 × 16 batch 7-8× slower (11.4 → 87.8 s, bf16 SmolLM2, 2026-11-24; 11.3 → 12.6 s
-  with shelves and cohorts; the prefill's padding was most of it, see ``decode_batch.length_chunks``).
+  tensor for every prompt made each prompt as wide as the longest, so one 1000-token prompt among short
+  ones made a batch several times slower (bench/bench_rl_sampling.py's long-prompt line).
 - *cohorts*: the rows that joined at about the same decode step share a tensor of their own columns
   ``[rows, key heads, columns, dim]``, with spare columns after the last so that a step writes its
   column in place. One tensor for every row made a row that joins late as wide as the oldest.

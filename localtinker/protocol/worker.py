@@ -17,10 +17,9 @@ prefills together: until none has arrived for ``sample_burst_gap_s``, at most ``
 after the first. A lone request waits only ``sample_linger_s`` unless the stream has seen bursts: its
 last idle start took two or more requests, or requests joined it within ``sample_linger_max_s``. So a
 client that samples one request at a time (nothing arrives while its request runs) is not held back,
-and an RL loop, whose requests arrive over 30-95 ms, up to 28 ms apart, is admitted in one prefill from
-its second step on. Measured through the SDK (16 requests of an RL step, server in the same process,
-bf16, 2 threads), a fixed 5 ms linger admitted the first 1-7 requests alone and the rest one decode
-step later, after a second prefill.
+and an RL loop, whose requests arrive tens of milliseconds apart, is admitted in one prefill from its
+second step on, where a fixed short linger split it into two prefills (bench/bench_rl_step.py;
+docs/engine-notes.md, sampling).
 
 A seq_id that never arrives (its request was refused before queueing without the protocol
 knowing its number) would stall the model forever; after ``gap_timeout_s`` the worker skips it

@@ -1,5 +1,5 @@
 """Run untrusted Python (model-written programs) with their tests under bubblewrap, with rlimits, a
-wall-clock timeout and a bounded worker pool. See README "Code sandbox" for guarantees and limits."""
+wall-clock timeout and a bounded worker pool. See README "Recipes" (code RL) for guarantees and limits."""
 
 from posttrain.sandbox.isolation import SandboxUnavailableError
 from posttrain.sandbox.limits import ALLOW_UNSANDBOXED_ENV, Limits
