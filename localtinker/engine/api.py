@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -147,11 +148,19 @@ class ModelInfo:
 class CheckpointInfo:
     tinker_path: str
     run_id: str
-    kind: str  # "weights" (state: LoRA + Adam) | "sampler_weights"
+    kind: str  # "weights" (state: LoRA + Adam) | "sampler_weights" | "external_weights" (PEFT, for download)
     name: str
     created_at: float
     size_bytes: int
     expires_at: float | None = None  # unix time after which the checkpoint is deleted; None = never
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """An external-weights checkpoint's files, which the protocol serves through signed URLs."""
+
+    files: dict[str, Path]  # file name relative to the checkpoint root -> absolute path
+    expires_at: float | None  # the checkpoint's expiry (unix time), None = never
 
 
 class Engine(Protocol):
@@ -181,6 +190,14 @@ class Engine(Protocol):
 
     def save_sampler_weights(self, model_id: str, name: str, ttl_seconds: int | None = None) -> str:
         """Returns ``tinker://<run>/sampler_weights/<name>``."""
+        ...
+
+    def save_external_weights(self, model_id: str, name: str, ttl_seconds: int | None = None) -> str:
+        """Saves the LoRA weights in PEFT's format; returns ``tinker://<run>/external_weights/<name>``."""
+        ...
+
+    def external_weights_files(self, tinker_path: str) -> CheckpointFiles:
+        """The files of an external-weights checkpoint (for download URLs)."""
         ...
 
     def set_checkpoint_ttl(self, tinker_path: str, ttl_seconds: int | None) -> None:

@@ -1,7 +1,9 @@
 """Checkpoints on disk under the server's storage directory, addressed by ``tinker://`` paths.
 
 ``tinker://<run_id>/weights/<name>`` holds LoRA weights + Adam moments + step (training state);
-``tinker://<run_id>/sampler_weights/<name>`` holds LoRA weights only. ``run_id`` is the training
+``tinker://<run_id>/sampler_weights/<name>`` holds LoRA weights only;
+``tinker://<run_id>/external_weights/<name>`` holds the LoRA weights in PEFT's format for download
+(``peft_export.py``; served through signed URLs, never loaded back). ``run_id`` is the training
 model id (``<session>:train:<n>``), exactly what the SDK's ``ParsedCheckpointTinkerPath`` reads back
 as ``training_run_id``. Layout: ``<root>/<quoted run_id>/<kind>/<name>/{adapter,optimizer}.safetensors,
 meta.json``. Each checkpoint is written into a temporary sibling directory and renamed into place, so
@@ -32,7 +34,8 @@ from safetensors.torch import load_file, save_file
 
 from localtinker.engine.api import CheckpointInfo, EngineUserError, UnknownModelError, checkpoint_ttl_problem
 
-KINDS = ("weights", "sampler_weights")
+KINDS = ("weights", "sampler_weights", "external_weights")
+LOADABLE_KINDS = ("weights", "sampler_weights")  # external weights are a download format
 _ADAPTER_FILE = "adapter.safetensors"
 _OPTIMIZER_FILE = "optimizer.safetensors"
 _META_FILE = "meta.json"
@@ -52,8 +55,8 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
     parts = path[len("tinker://") :].split("/")
     if len(parts) != 3 or parts[1] not in KINDS or not all(parts):
         raise EngineUserError(
-            f"checkpoint path {path!r} must look like tinker://<run_id>/weights/<name> or "
-            "tinker://<run_id>/sampler_weights/<name>."
+            f"checkpoint path {path!r} must look like tinker://<run_id>/weights/<name>, "
+            "tinker://<run_id>/sampler_weights/<name> or tinker://<run_id>/external_weights/<name>."
         )
     return parts[0], parts[1], parts[2]
 
@@ -93,6 +96,17 @@ class CheckpointStore:
         optimizer: dict[str, torch.Tensor] | None = None,
         ttl_seconds: int | None = None,
     ) -> str:
+        def write(staging: Path) -> None:
+            save_file({k: v.contiguous() for k, v in adapter.items()}, str(staging / _ADAPTER_FILE))
+            if optimizer is not None:
+                save_file({k: v.contiguous() for k, v in optimizer.items()}, str(staging / _OPTIMIZER_FILE))
+
+        return self.save_files(run_id, kind, name, write, meta, ttl_seconds)
+
+    def save_files(
+        self, run_id: str, kind: str, name: str, write: Callable[[Path], None], meta: dict, ttl_seconds: int | None
+    ) -> str:
+        """Saves a checkpoint whose files ``write(staging_dir)`` puts in place; atomic like every save."""
         validate_name(name)
         _check_ttl(ttl_seconds)
         self.purge_expired()
@@ -100,9 +114,7 @@ class CheckpointStore:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
         try:
-            save_file({k: v.contiguous() for k, v in adapter.items()}, str(staging / _ADAPTER_FILE))
-            if optimizer is not None:
-                save_file({k: v.contiguous() for k, v in optimizer.items()}, str(staging / _OPTIMIZER_FILE))
+            write(staging)
             now = self.clock()
             expires_at = None if ttl_seconds is None else now + ttl_seconds
             self._expires(expires_at)
@@ -121,6 +133,13 @@ class CheckpointStore:
             raise
         return f"tinker://{run_id}/{kind}/{name}"
 
+    def files(self, path: str) -> tuple[dict[str, Path], dict]:
+        """A live checkpoint's files (name -> absolute path, meta excluded) and its meta."""
+        meta = self.meta(path)
+        directory = self._dir(*parse_tinker_path(path))
+        files = {f.name: f for f in sorted(directory.iterdir()) if f.is_file() and f.name != _META_FILE}
+        return files, meta
+
     def meta(self, path: str) -> dict:
         """The checkpoint's meta (base model, LoRA config, step, times) without reading its tensors."""
         run_id, kind, name = parse_tinker_path(path)
@@ -137,8 +156,14 @@ class CheckpointStore:
         return meta
 
     def load(self, path: str) -> LoadedCheckpoint:
+        run_id, kind, name = parse_tinker_path(path)
+        if kind not in LOADABLE_KINDS:
+            raise EngineUserError(
+                f"{path} holds weights exported for download (PEFT format), which are not loaded back; use the "
+                f"training checkpoint it was saved from (tinker://{run_id}/weights/<name>) or a sampler_weights path."
+            )
         meta = self.meta(path)
-        directory = self._dir(*parse_tinker_path(path))
+        directory = self._dir(run_id, kind, name)
         adapter = load_file(str(directory / _ADAPTER_FILE))
         optimizer_file = directory / _OPTIMIZER_FILE
         optimizer = load_file(str(optimizer_file)) if optimizer_file.is_file() else None

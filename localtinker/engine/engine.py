@@ -50,6 +50,7 @@ from localtinker.engine.models import DTYPES, TINY_RANDOM_NAME, BaseModel, load_
 from localtinker.engine.optimizer import AdamState, adamw_step, validate_adam
 from localtinker.engine.packaged import SMOLLM2_NAME
 from localtinker.engine.packed_training import pack_for_training
+from localtinker.engine.peft_export import CheckpointFiles, external_weights_files, save_external_weights
 from localtinker.engine.prefix_sharing import token_rows
 from localtinker.engine.retained_forward import LogprobBatch, RetainedForward, forward_tracking
 from localtinker.engine.sample_stream import SampleStream, SamplingTarget
@@ -345,6 +346,17 @@ class LocalEngine:
             return self.checkpoints.save(
                 model_id, "sampler_weights", name, self._weights(model), self._meta(model), ttl_seconds=ttl_seconds
             )
+
+    def save_external_weights(self, model_id: str, name: str, ttl_seconds: int | None = None) -> str:
+        with self._lock:
+            model = self._model(model_id)
+            return save_external_weights(
+                self.checkpoints, model_id, name, self._weights(model), self._meta(model), ttl_seconds
+            )
+
+    def external_weights_files(self, tinker_path: str) -> CheckpointFiles:
+        with self._lock:
+            return external_weights_files(self.checkpoints, tinker_path)
 
     def set_checkpoint_ttl(self, tinker_path: str, ttl_seconds: int | None) -> None:
         with self._lock:

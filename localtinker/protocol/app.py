@@ -22,6 +22,7 @@ from .routes.futures import FutureRoutes
 from .routes.sampling import SamplingRoutes
 from .routes.sessions import SessionRoutes
 from .routes.training import TrainingRoutes
+from .routes.weights import WeightsRoutes
 
 __all__ = ["LocalTinkerService", "ProtocolConfig"]
 
@@ -37,6 +38,7 @@ class LocalTinkerService(ServiceCore):
             SamplingRoutes(self),
             FutureRoutes(self),
             CheckpointRoutes(self),
+            WeightsRoutes(self),
         )
 
     def build_app(self) -> ASGIApp:

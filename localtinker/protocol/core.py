@@ -48,6 +48,8 @@ class ProtocolConfig:
     sample_linger_s: float = 0.005
     sample_burst_gap_s: float = 0.03
     sample_linger_max_s: float = 0.2
+    # How long a signed download URL of external weights stays valid (never beyond the checkpoint's own TTL).
+    download_url_ttl_s: float = 3600.0
     # Extra ClientConfigResponse flags sent to SDKs (e.g. a small fwdbwd_max_chunk_len in tests).
     client_config: dict[str, Any] = field(default_factory=dict)
 
@@ -137,9 +139,11 @@ class ServiceCore:
 
     def route(self, path: str, handler: Handler, method: str) -> Route:
         """A route under ``/api/v1`` whose errors take the SDK's shape and whose refusals free their seq_id."""
-        return Route(f"{API}/{path}", self._endpoint(handler), methods=[method])
+        return Route(f"{API}/{path}", self.endpoint(handler), methods=[method])
 
-    def _endpoint(self, handler: Handler) -> Handler:
+    def endpoint(self, handler: Handler) -> Handler:
+        """``handler`` answering errors in the SDK's shape and freeing the seq_id of a refused request."""
+
         async def endpoint(request: Request) -> Response:
             try:
                 response = await handler(request)

@@ -13,6 +13,9 @@ from .core import API, error_response
 
 logger = logging.getLogger("localtinker.protocol")
 
+# Signed download URLs carry their own unguessable, expiring token instead of the API key (routes/weights.py).
+KEYLESS_PREFIXES = (f"{API}/healthz", "/downloads/")
+
 # Paths whose handler enforces the size limit itself: it reads the head of an oversized body to free
 # the request's seq_id before refusing it, so the middleware must not refuse it unread.
 SIZE_CHECKED_BY_HANDLER = frozenset({f"{API}/forward_backward"})
@@ -52,7 +55,7 @@ class GuardMiddleware:
 
     def _refusal(self, scope: Scope) -> Response | None:
         headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"] != f"{API}/healthz":
+        if self.api_key is not None and not scope["path"].startswith(KEYLESS_PREFIXES):
             given = headers.get(b"x-api-key", b"")
             if not hmac.compare_digest(given, self.api_key):
                 what = "is missing" if not given else "is wrong"

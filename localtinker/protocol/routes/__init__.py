@@ -4,6 +4,7 @@
 - ``training``: a training client's sequenced ops (forward_backward, optim_step, saving weights);
 - ``sampling``: sampling sessions and ``asample``;
 - ``checkpoints``: training runs, checkpoint listing, deletion, TTLs and weights info;
+- ``weights``: signed download URLs for external weights and the keyless GETs that serve them;
 - ``futures``: ``retrieve_future`` long-polling and ``cancel_future``.
 A new family gets its own module here and one line in ``app.LocalTinkerService.build_app``.
 """

@@ -16,10 +16,13 @@ from ..errors import bad_request, not_found
 from ..registry import RunRecord
 
 
+CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+
+
 def checkpoint_json(info: CheckpointInfo) -> dict[str, Any]:
     return {
         "checkpoint_id": f"{info.kind}/{info.name}",
-        "checkpoint_type": "training" if info.kind == "weights" else "sampler",
+        "checkpoint_type": CHECKPOINT_TYPES[info.kind],
         "time": iso(info.created_at),
         "tinker_path": info.tinker_path,
         "size_bytes": info.size_bytes,

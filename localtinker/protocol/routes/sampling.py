@@ -39,6 +39,11 @@ class SamplingRoutes:
         model_path = jc.field(body, "model_path", str, endpoint, default=None)
         if base_model is None and model_path is None:
             raise bad_request(f"{endpoint}: give base_model or a tinker:// model_path")
+        if model_path is not None and "/external_weights/" in model_path:
+            raise bad_request(
+                f"{endpoint}: {model_path} holds weights exported for download; sample from the "
+                "tinker://<run_id>/sampler_weights/<name> (or weights/<name>) checkpoint instead"
+            )
         sampler_id = f"{session_id}:sample:{sampler_seq}"
         if self.core.registry.sampler(sampler_id) is None:
             resolved = await self.core.on_worker(

@@ -32,6 +32,7 @@ class TrainingRoutes:
             self.core.route("optim_step", self.optim_step, "POST"),
             self.core.route("save_weights", self.save_weights, "POST"),
             self.core.route("save_weights_for_sampler", self.save_weights_for_sampler, "POST"),
+            self.core.route("save_weights_external", self.save_weights_external, "POST"),
             self.core.route("create_custom_loss", self.create_custom_loss, "POST"),
         ]
 
@@ -156,6 +157,31 @@ class TrainingRoutes:
             seq_id,
             lambda e: e.save_state(model_id, name, ttl_seconds),
             lambda path: Payload(json_body={"type": "save_weights", "path": path}),
+        )
+
+    async def save_weights_external(self, request: Request) -> Response:
+        """The LoRA weights in PEFT's format, for download through signed URLs (routes/weights.py)."""
+        endpoint = "save_weights_external"
+        body = await self.core.json(request, endpoint)
+        model_id = jc.field(body, "model_id", str, endpoint)
+        seq_id = jc.field(body, "seq_id", int, endpoint, default=None)
+        name = self._checkpoint_name(body, endpoint, model_id, seq_id)
+        ttl_seconds = self._checkpoint_ttl(body, endpoint, model_id, seq_id)
+        if body.get("age_encryption_recipients"):
+            raise self.core.refuse_model_op(
+                model_id,
+                seq_id,
+                bad_request(
+                    f"{endpoint}: age_encryption_recipients is not supported by localtinker (exports stay on "
+                    "this machine and are served only through signed, expiring URLs); omit it"
+                ),
+            )
+        return self.core.queue_model_op(
+            endpoint,
+            model_id,
+            seq_id,
+            lambda e: e.save_external_weights(model_id, name, ttl_seconds),
+            lambda path: Payload(json_body={"type": endpoint, "path": path}),
         )
 
     async def save_weights_for_sampler(self, request: Request) -> Response:
