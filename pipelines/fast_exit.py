@@ -1,9 +1,9 @@
 """Run processes skip the interpreter's garbage collection at exit.
 
 Python's finalization runs full cyclic collections over every object still alive, and a Dagster run
-process holds a lot of them (Dagster, MLflow, SQLAlchemy, transformers and torch modules): measured
-(2026-11-25, Zen 5 EPYC, the 16-step SFT chain through ``dagster job execute``) the process spent 3.7 s
-between RUN_SUCCESS and its exit, all of it in ``gc_collect_main`` (``py-spy dump --native``). Those
+process holds a lot of them (Dagster, MLflow, SQLAlchemy, transformers and torch modules), so a run
+process spent seconds between RUN_SUCCESS and its exit, all in ``gc_collect_main``
+(bench/bench_dagster_overhead.py; docs/benchmarks.md). Those
 collections free nothing that matters: the process is ending and the OS takes its memory back.
 
 So an exit handler moves every live object into the collector's permanent generation

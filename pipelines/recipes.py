@@ -27,7 +27,7 @@ DEFAULT_REEVAL_NEWEST = 3
 
 # Every recipe job runs its steps in the run's own process by default. Its steps form a chain (data, then
 # training, then outputs), so a process per step buys no parallelism, and each such process re-imports the
-# code location (torch, transformers, MLflow: ~10 s here) — measured as most of Dagster's overhead over a
+# code location (torch, transformers, MLflow: seconds each) — most of Dagster's overhead over a
 # plain script (bench/bench_dagster_overhead.py). A re-execution from failure resumes training either way.
 # Only the default: the launchpad can still pick `execution: {config: {multiprocess: {}}}`. The partitioned
 # eval jobs keep Dagster's default (a default run config is not applied to them here; one step each anyway).

@@ -1,9 +1,8 @@
 """The harness as each sandbox gets it: bytecode compiled once per interpreter, not source.
 
 Every sandboxed run starts a fresh interpreter on the harness, which would otherwise compile the
-harness's source each time (``-B``: nothing may be cached inside the sandbox). Measured on a 2-core
-Zen 5 EPYC (2026-11-25, Python 3.11): starting the harness from source took 9.3 ms outside the sandbox,
-7.7 ms from bytecode. The bytecode is made by the interpreter that will run it (any version may be
+harness's source each time (``-B``: nothing may be cached inside the sandbox), a noticeable share of a
+short run (bench/bench_sandbox.py). The bytecode is made by the interpreter that will run it (any version may be
 configured as the sandbox's), in a child process given only our own trusted source, and kept in memory
 for the life of this process; should that fail, runs get the source as before.
 """

@@ -8,10 +8,9 @@ the kernel skips RLIMIT_NPROC for processes that map to root, which would let a 
 
 The switch to `nobody` is made by util-linux's `setpriv`, which then execs bubblewrap, rather than by
 `subprocess.Popen(user=, group=, extra_groups=)`: CPython starts a child with vfork only when it changes no
-ids, and otherwise forks, copying the page tables of the whole parent. Measured (2026-11-24, 2 cores):
-starting `/bin/true` took 0.6 ms without an id switch, and with one 9 ms from a small process and 79 ms
-from a process holding a 2.6 GB model, as a code-RL run embedding localtinker is; a sandboxed test run
-from that process took 104–108 ms, and 16–17 ms through setpriv. Without `setpriv` on PATH, Popen
+ids, and otherwise forks, copying the page tables of the whole parent: from a process holding a model, as
+a code-RL run embedding localtinker does, that made each sandboxed run several times slower
+(bench/bench_sandbox.py, part 3; docs/benchmarks.md). Without `setpriv` on PATH, Popen
 switches the ids itself (``Launch.run_as_nobody``).
 """
 

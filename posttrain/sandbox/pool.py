@@ -5,9 +5,8 @@ from starting hundreds of interpreters on a small machine.
 
 The default size is one more than the number of cores. A short run spends part of its wall time
 asleep in the kernel while bubblewrap builds and tears down its namespaces, and with one worker per core
-those moments leave a core idle. Measured (2026-11-25, 2-core Zen 5 EPYC VM, 200 short test runs,
-``/proc/stat``): one worker per core kept the cores 84% busy and ran 1.60-1.63x as many runs per second
-as one worker; three workers kept them 96% busy and ran 1.77-1.83x. A CPU-bound candidate shares a core
+those moments leave a core idle; one extra worker fills them (bench/bench_sandbox.py; docs/benchmarks.md,
+code RL's sandbox). A CPU-bound candidate shares a core
 with the extra worker's runs, so its wall time (what ``timeout_s`` bounds) can grow by up to 1/cores.
 """
 
