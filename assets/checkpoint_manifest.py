@@ -76,10 +76,6 @@ def read_manifest(partition: str) -> CheckpointManifest:
     return CheckpointManifest(**json.loads(path.read_text()))
 
 
-def manifest_exists(partition: str) -> bool:
-    return manifest_path(partition).exists()
-
-
 def all_manifests() -> list[CheckpointManifest]:
     return [CheckpointManifest(**json.loads(path.read_text())) for path in sorted(manifests_dir().glob("*.json"))]
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import dagster as dg
 
 from assets.evals import EvalInputs, EvalSpec, build_eval_asset
+from assets.problems import CODE_PROBLEMS_ASSET
 from assets.rl import ROLLOUTS_FILE
 from assets.training import RecipeInputs, RecipeRun, TrainingSpec, build_checkpoints_asset, build_training_asset
 from posttrain.datasets import humaneval
@@ -36,7 +37,6 @@ from posttrain.rl.recipe import RLRecipe
 from posttrain.training.rows import JsonlRowSink
 from resources.models import load_tokenizer
 
-CODE_PROBLEMS_ASSET = "code_problems"
 CODE_ENV = "code"
 HUMANEVAL_PREFIX = "humaneval/"
 # Sampling budget per answer: an easy task's function is ~30 tokens, a HumanEval function a few hundred.

@@ -35,6 +35,7 @@ from assets.datasets import (
     table_output,
 )
 from assets.evals import EvalInputs, EvalSpec, build_eval_asset
+from assets.problems import PROBLEMS_ASSET
 from assets.training import RecipeInputs, RecipeRun, TrainingSpec, build_checkpoints_asset, build_training_asset
 from assets.upstream import latest_version
 from posttrain.datasets import schemas
@@ -60,7 +61,6 @@ from resources.mlflow import MlflowResource
 from resources.models import load_tokenizer
 from resources.tinker import TinkerResource
 
-PROBLEMS_ASSET = "rl_problems"
 RESPONSES_ASSET = "teacher_responses"
 TABLE_ENV = "problems"
 TEACHER_ASSETS = ("sft_checkpoint", "rl_checkpoint")  # where teachers come from: drawn as graph edges

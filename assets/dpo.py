@@ -48,6 +48,7 @@ from assets.datasets import (
 )
 from assets.evals import EvalInputs, EvalSpec, build_eval_asset, load_trained_version
 from assets.preferences import build_pairs_asset, identical_failures
+from assets.problems import PROBLEMS_ASSET
 from assets.training import RecipeInputs, RecipeRun, TrainingSpec, build_checkpoints_asset, build_training_asset
 from assets.upstream import VERSION_PATH_KEY, UpstreamVersion, inputs_of, latest_version, read_versioned_table
 from posttrain.atomic_files import staged
@@ -73,7 +74,6 @@ from resources.models import load_tokenizer
 from resources.state import state_subdir
 from resources.tinker import TinkerResource
 
-PROBLEMS_ASSET = "rl_problems"
 COMPARISONS_ASSET = "onpolicy_comparisons"
 ONPOLICY_PAIRS = "onpolicy_pairs"
 OFFLINE_PAIRS = "preference_pairs"

@@ -24,6 +24,10 @@ from posttrain.datasets import schemas
 from posttrain.datasets.loaders import load
 from posttrain.datasets.problems import score_problem
 
+# The asset keys the recipes read these tables by.
+PROBLEMS_ASSET = "rl_problems"
+CODE_PROBLEMS_ASSET = "code_problems"
+
 
 class ProblemSourceConfig(SourceConfig):
     source: str = Field(

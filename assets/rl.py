@@ -15,6 +15,7 @@ from pathlib import Path
 import dagster as dg
 
 from assets.evals import EvalInputs, EvalSpec, build_eval_asset
+from assets.problems import PROBLEMS_ASSET
 from assets.training import RecipeInputs, RecipeRun, TrainingSpec, build_checkpoints_asset, build_training_asset
 from posttrain.datasets.schemas import HELDOUT_SPLIT
 from posttrain.eval.accuracy import AccuracyEvaluator, problems_from_table
@@ -26,7 +27,6 @@ from posttrain.rl.recipe import RLRecipe
 from posttrain.training.rows import JsonlRowSink
 from resources.models import load_tokenizer
 
-PROBLEMS_ASSET = "rl_problems"
 ROLLOUTS_FILE = "rollouts.jsonl"
 TABLE_ENV = "problems"  # the env that trains on the rl_problems table
 

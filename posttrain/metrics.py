@@ -90,29 +90,6 @@ class ConsoleMetricsLogger:
         pass
 
 
-class TqdmProgressLogger:
-    """A tqdm bar over the planned steps, with the latest loss/LR in its postfix."""
-
-    def __init__(self, total_steps: int, initial_step: int = 0, keys: tuple[str, ...] = ("loss", "learning_rate")):
-        from tqdm.auto import tqdm
-
-        self.keys = keys
-        self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True)
-        self._position = initial_step
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        if step + 1 > self._position:
-            self._bar.update(step + 1 - self._position)
-            self._position = step + 1
-        self._bar.set_postfix({key: _short(metrics[key]) for key in self.keys if key in metrics}, refresh=False)
-
-    def log_params(self, params: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        self._bar.close()
-
-
 class MultiLogger:
     """Fans every call out to several loggers (in order)."""
 

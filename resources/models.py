@@ -10,7 +10,10 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+from localtinker.engine.packaged import SMOLLM2_NAME
+
+# Twin of localtinker.engine.models.TINY_RANDOM_NAME, whose module loads torch and transformers' models (the
+# data assets only need a tokenizer); tests/test_twin_constants.py checks that they agree.
 TINY_RANDOM_NAME = "localtinker/tiny-random"
 
 

@@ -30,9 +30,9 @@ import dagster as dg
 import tinker
 from pydantic import Field, PrivateAttr
 
+from posttrain.training.config import DEFAULT_BASE_MODEL
 from resources.state import default_tinker_storage_dir
 
-DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 BACKENDS = ("auto", "local", "remote")
 # localtinker accepts any key when started without one; the SDK still insists on the ``tml-`` prefix.
 EXISTING_LOCAL_SERVER_KEY = "tml-local"

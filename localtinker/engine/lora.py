@@ -128,9 +128,6 @@ class AdapterHost:
                 params[f"{clean}.lora_B"] = module.lora_B[name].weight
         return params
 
-    def export_weights(self, name: str) -> dict[str, torch.Tensor]:
-        return {key: param.detach().clone() for key, param in self.parameters(name).items()}
-
     def import_weights(self, name: str, weights: dict[str, torch.Tensor]) -> None:
         """Copies saved weights into adapter ``name``; shapes and keys must match exactly."""
         params = self.parameters(name)

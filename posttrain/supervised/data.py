@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import tinker
 
 from posttrain.datasets.schemas import TRAIN_SPLIT
-from posttrain.datums import datum_from_tokens, datum_targets, datum_weights
+from posttrain.datums import datum_from_tokens, datum_weights
 from posttrain.renderers.datum import LOSS_REDUCTIONS as LOSS_REDUCTIONS  # re-exported for the configs
 from posttrain.renderers.datum import REDUCTION_ALIASES, reduce_weights
 from posttrain.renderers.datum import LossReduction as LossReduction
@@ -119,12 +119,6 @@ class RenderedTokens:
         if split is not None and "split" in table.column_names:
             table = table.filter(pc.equal(table["split"], split))
         self.table = table.select(list(self.COLUMNS)).combine_chunks()
-
-    @classmethod
-    def from_parquet(cls, path: str, split: str | None = None) -> RenderedTokens:
-        import pyarrow.parquet as pq
-
-        return cls(pq.read_table(path), split)
 
     def __len__(self) -> int:
         return self.table.num_rows

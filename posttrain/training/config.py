@@ -9,12 +9,14 @@ can start as is.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal
+from typing import Any
 
 import tinker
 
 from posttrain.schedules import LR_SCHEDULES, LRSchedule
 
+# Twin of localtinker.engine.packaged.SMOLLM2_NAME, the model localtinker ships (posttrain may not import
+# localtinker); tests/test_twin_constants.py checks that they agree.
 DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
@@ -120,4 +122,3 @@ def config_from_dict(cls: type, values: dict[str, Any]):
 
 _TRAINING_FIELDS = frozenset(f.name for f in fields(TrainingConfig))
 
-RecipeName = Literal["sft", "dpo", "rl", "code_rl", "distill"]

@@ -9,8 +9,6 @@ from typing import Any
 
 from posttrain.checkpoints import read_jsonl, rewrite_jsonl
 
-ROWS_FILE = "rows.jsonl"
-
 
 class JsonlRowSink:
     """Appends ``{"step": step, **row}`` lines, one fsync per step; ``truncate_from`` drops redone steps."""
