@@ -19,6 +19,7 @@ from .core import ProtocolConfig, ServiceCore
 from .guard import GuardMiddleware
 from .routes.checkpoints import CheckpointRoutes
 from .routes.futures import FutureRoutes
+from .routes.openai import OpenAIRoutes
 from .routes.sampling import SamplingRoutes
 from .routes.sessions import SessionRoutes
 from .routes.training import TrainingRoutes
@@ -39,6 +40,7 @@ class LocalTinkerService(ServiceCore):
             FutureRoutes(self),
             CheckpointRoutes(self),
             WeightsRoutes(self),
+            OpenAIRoutes(self),
         )
 
     def build_app(self) -> ASGIApp:

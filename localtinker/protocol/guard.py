@@ -10,11 +10,14 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .core import API, error_response
+from .openai_api import OpenAIError
 
 logger = logging.getLogger("localtinker.protocol")
 
 # Signed download URLs carry their own unguessable, expiring token instead of the API key (routes/weights.py).
 KEYLESS_PREFIXES = (f"{API}/healthz", "/downloads/")
+
+OPENAI_PREFIX = "/oai/"  # routes/openai.py
 
 # Paths whose handler enforces the size limit itself: it reads the head of an oversized body to free
 # the request's seq_id before refusing it, so the middleware must not refuse it unread.
@@ -53,13 +56,29 @@ class GuardMiddleware:
                 "%s %s %d %.1fms", scope["method"], scope["path"], status, (time.perf_counter() - started) * 1000
             )
 
+    def _key_refusal(self, path: str, headers: dict[bytes, bytes]) -> Response | None:
+        given = headers.get(b"x-api-key", b"")
+        openai = path.startswith(OPENAI_PREFIX)
+        if openai and not given:  # OpenAI clients send the key as a bearer token
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            given = token.strip() if scheme.lower() == b"bearer" else b""
+        assert self.api_key is not None
+        if hmac.compare_digest(given, self.api_key):
+            return None
+        what = "is missing" if not given else "is wrong"
+        if openai:
+            return OpenAIError(
+                401, f"the API key {what}; pass the server's --api-key as the OpenAI client's api_key",
+                code="invalid_api_key",
+            ).response()
+        return error_response(401, f"the X-API-Key header {what}; set TINKER_API_KEY to the server's --api-key")
+
     def _refusal(self, scope: Scope) -> Response | None:
         headers = dict(scope["headers"])
         if self.api_key is not None and not scope["path"].startswith(KEYLESS_PREFIXES):
-            given = headers.get(b"x-api-key", b"")
-            if not hmac.compare_digest(given, self.api_key):
-                what = "is missing" if not given else "is wrong"
-                return error_response(401, f"the X-API-Key header {what}; set TINKER_API_KEY to the server's --api-key")
+            refusal = self._key_refusal(scope["path"], headers)
+            if refusal is not None:
+                return refusal
         length = headers.get(b"content-length")
         if length is not None and scope["path"] not in SIZE_CHECKED_BY_HANDLER:
             try:

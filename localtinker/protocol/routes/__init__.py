@@ -5,6 +5,7 @@
 - ``sampling``: sampling sessions and ``asample``;
 - ``checkpoints``: training runs, checkpoint listing, deletion, TTLs and weights info;
 - ``weights``: signed download URLs for external weights and the keyless GETs that serve them;
+- ``openai``: the OpenAI-compatible chat/completions endpoint under ``/oai/api/v1``;
 - ``futures``: ``retrieve_future`` long-polling and ``cancel_future``.
 A new family gets its own module here and one line in ``app.LocalTinkerService.build_app``.
 """
