@@ -135,6 +135,47 @@ class SampleResult:
 
 
 @dataclass(frozen=True)
+class SampleExtrasSpec:
+    """What an ``asample`` asks for beyond tokens and logprobs (SDK ``SampleRequest`` fields of the same names).
+
+    Every figure is of the request's temperature-scaled next-token distribution (temperature 0: 1), the
+    distribution the sampled logprobs come from.
+    """
+
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: np.ndarray | None = None  # int64 [len(prompt) - 1, K]; -1 = nothing asked
+    prompt_alt_tokens_k: int = 0
+
+    @property
+    def wanted(self) -> bool:
+        return bool(
+            self.topk_prompt_logprobs or self.topk_sample_logprobs or self.prompt_alt_tokens_k
+            or self.target_prompt_logprobs is not None
+        )
+
+
+@dataclass
+class TopK:
+    """Top-k (token id, logprob) per position as dense [positions, k] matrices; a row of ids 0 and logprobs
+    ``TOPK_MASK`` is a position with nothing reported (the SDK's ``TopkLogprobs`` sentinel)."""
+
+    token_ids: np.ndarray  # int32
+    logprobs: np.ndarray  # float32
+
+
+TOPK_MASK = -99999.0
+
+
+@dataclass
+class SampleExtras:
+    topk_prompt: TopK | None = None  # [len(prompt), k], row 0 masked
+    topk_sample: list[TopK] | None = None  # per sequence, [len(tokens), k]
+    target_prompt: np.ndarray | None = None  # float32, the shape of the request's ids; 0.0 where it had -1
+    prompt_alt_tokens: tuple[np.ndarray, np.ndarray] | None = None  # int64 ids, float32 logprobs [len(prompt) - 1, k]
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     model_id: str
     base_model: str
@@ -219,6 +260,10 @@ class Engine(Protocol):
     def sample_batch(self, requests: list[tuple[str, SampleSpec]]) -> list[SampleResult | Exception]:
         """Runs many (sampler_id, spec) requests to completion. An engine may also offer ``sample_stream()``
         (continuous batching, see ``sample_stream.py``); the worker then uses that instead."""
+        ...
+
+    def sample_extras(self, sampler_id: str, spec: SampleSpec, extras: SampleExtrasSpec, result: SampleResult) -> SampleExtras:
+        """Top-k, target and alternative-token logprobs for a finished sample (scoring.py)."""
         ...
 
     def list_checkpoints(self, run_id: str | None = None) -> list[CheckpointInfo]: ...

@@ -51,6 +51,8 @@ from localtinker.engine.optimizer import AdamState, adamw_step, validate_adam
 from localtinker.engine.packaged import SMOLLM2_NAME
 from localtinker.engine.packed_training import pack_for_training
 from localtinker.engine.peft_export import CheckpointFiles, external_weights_files, save_external_weights
+from localtinker.engine import scoring
+from localtinker.engine.api import SampleExtras, SampleExtrasSpec
 from localtinker.engine.prefix_sharing import token_rows
 from localtinker.engine.retained_forward import LogprobBatch, RetainedForward, forward_tracking
 from localtinker.engine.sample_stream import SampleStream, SamplingTarget
@@ -450,6 +452,13 @@ class LocalEngine:
             spec = replace(spec, max_tokens=max(0, base.max_context_length - len(spec.prompt_tokens)))
         validate_sample_spec(spec, base.vocab_size, base.max_context_length)
         return f"{sampler.base_name}|{sampler.weights_key}", spec
+
+    def sample_extras(self, sampler_id: str, spec: SampleSpec, extras: SampleExtrasSpec, result: SampleResult) -> SampleExtras:
+        target = self.sampling_target(sampler_id)
+        try:
+            return scoring.sample_extras(target, spec, extras, result)
+        finally:
+            target.release()
 
     def sampling_target(self, sampler_id: str) -> SamplingTarget:
         """The sampler's base model with its adapter resident and held (not evicted) until ``release``."""

@@ -21,13 +21,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from localtinker.engine.api import Engine, EngineUserError, UnknownModelError
+from localtinker.engine.api import (
+    Engine,
+    EngineUserError,
+    SampleExtras,
+    SampleExtrasSpec,
+    SampleResult,
+    SampleSpec,
+    UnknownModelError,
+)
 
 from . import json_codec as jc
 from .errors import OversizedBody, ProtocolError, bad_request, not_found
 from .futures import FutureStore, Payload
 from .registry import Registry
-from .worker import EngineWorker, Job, SequenceError
+from .worker import EngineWorker, Job, SampleJob, SequenceError
 
 logger = logging.getLogger("localtinker.protocol")
 
@@ -236,6 +244,34 @@ class ServiceCore:
             self.futures.complete(request_id, payload)
 
         return on_done
+
+    # ---- sampling ------------------------------------------------------------------------------------------
+
+    def submit_sample(
+        self,
+        sampler_id: str,
+        spec: SampleSpec,
+        extras: SampleExtrasSpec,
+        on_done: Callable[[SampleResult, SampleExtras | None], None],
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        """Queues a sample into the engine's batched stream; top-k / target / alternative-token figures, when
+        asked, follow as one worker job on the finished result."""
+        if not extras.wanted:
+            self.worker.submit_sample(SampleJob(sampler_id, spec, lambda result: on_done(result, None), on_error))
+            return
+
+        def sampled(result: SampleResult) -> None:
+            self.worker.submit_control(
+                Job(
+                    f"sample extras {sampler_id}",
+                    lambda e: e.sample_extras(sampler_id, spec, extras, result),
+                    lambda found: on_done(result, found),
+                    on_error,
+                )
+            )
+
+        self.worker.submit_sample(SampleJob(sampler_id, spec, sampled, on_error))
 
     # ---- model ops in seq_id order -------------------------------------------------------------------
 

@@ -6,7 +6,16 @@ import json
 import math
 from typing import Any
 
-from localtinker.engine.api import SUPPORTED_LOSSES, AdamSpec, LoraSpec, SampleSpec, adam_spec_problems
+import numpy as np
+
+from localtinker.engine.api import (
+    SUPPORTED_LOSSES,
+    AdamSpec,
+    LoraSpec,
+    SampleExtrasSpec,
+    SampleSpec,
+    adam_spec_problems,
+)
 
 from .errors import bad_request
 
@@ -128,11 +137,6 @@ def parse_prompt_tokens(prompt: Any, endpoint: str) -> tuple[int, ...]:
 def parse_sample_spec(body: dict[str, Any]) -> tuple[SampleSpec, int | None]:
     """The engine's SampleSpec and the ``prompt_logprobs_last_n`` the protocol applies itself."""
     endpoint = "asample"
-    for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-        if field(body, name, int, endpoint, default=0) != 0:
-            raise bad_request(f"{endpoint}: {name} is not supported by localtinker; leave it at 0")
-    if body.get("target_prompt_logprobs") is not None:
-        raise bad_request(f"{endpoint}: target_prompt_logprobs is not supported by localtinker")
     prompt = parse_prompt_tokens(body.get("prompt"), endpoint)
     num_samples = field(body, "num_samples", int, endpoint, default=1)
     if not 1 <= num_samples <= 256:
@@ -172,6 +176,48 @@ def parse_sample_spec(body: dict[str, Any]) -> tuple[SampleSpec, int | None]:
         prompt_logprobs=want_prompt_logprobs,
     )
     return spec, last_n
+
+
+MAX_TOPK = 1024  # per position; a full-vocabulary answer belongs in forward(), not in a sample
+
+
+def parse_sample_extras(body: dict[str, Any]) -> SampleExtrasSpec:
+    """Top-k, target and alternative-token requests of an ``asample`` body (each 0 / null when not asked)."""
+    endpoint = "asample"
+    counts = {}
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        counts[name] = field(body, name, int, endpoint, default=0)
+        if not 0 <= counts[name] <= MAX_TOPK:
+            raise bad_request(f"{endpoint}: {name}={counts[name]} must be between 0 and {MAX_TOPK}")
+    if counts["topk_prompt_logprobs"] and not body.get("prompt_logprobs"):
+        raise bad_request(f"{endpoint}: topk_prompt_logprobs needs prompt_logprobs (include_prompt_logprobs=True)")
+    targets = body.get("target_prompt_logprobs")
+    return SampleExtrasSpec(
+        topk_prompt_logprobs=counts["topk_prompt_logprobs"],
+        topk_sample_logprobs=counts["topk_sample_logprobs"],
+        target_prompt_logprobs=None if targets is None else _target_ids(targets, endpoint + ".target_prompt_logprobs"),
+        prompt_alt_tokens_k=counts["prompt_alt_tokens_k"],
+    )
+
+
+def _target_ids(tensor: Any, where: str) -> np.ndarray:
+    """A TensorData of int64 ids, dense or sparse CSR (absent cells = -1), as a dense [rows, K] array."""
+    if not isinstance(tensor, dict) or not isinstance(tensor.get("data"), list):
+        raise bad_request(f"{where}: send a TensorData {{data, dtype: int64, shape: [len(prompt) - 1, K]}}")
+    shape = tensor.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise bad_request(f"{where}: shape must be [len(prompt) - 1, K], got {shape!r}")
+    try:
+        data = np.asarray(tensor["data"], dtype=np.int64)
+        crow, col = tensor.get("sparse_crow_indices"), tensor.get("sparse_col_indices")
+        if crow is None:
+            return data.reshape(shape)
+        dense = np.full(shape, -1, dtype=np.int64)
+        rows = np.repeat(np.arange(shape[0]), np.diff(np.asarray(crow, dtype=np.int64)))
+        dense[rows, np.asarray(col, dtype=np.int64)] = data
+        return dense
+    except (ValueError, IndexError, TypeError) as e:
+        raise bad_request(f"{where}: not a valid {shape} int64 tensor: {e}") from e
 
 
 def _parse_stop(stop: Any, where: str) -> tuple[tuple[str, ...], tuple[int, ...] | None]:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from starlette.responses import JSONResponse
 
-from localtinker.engine.api import SampledSequence, SampleSpec
+from localtinker.engine.api import TOPK_MASK, SampledSequence, SampleExtrasSpec, SampleSpec, TopK
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -80,6 +80,9 @@ class OpenAIRequest:
             seed=self.seed,
             stop_strings=self.stop,
         )
+
+    def extras(self) -> SampleExtrasSpec:
+        return SampleExtrasSpec(topk_sample_logprobs=self.top_logprobs if self.logprobs else 0)
 
 
 def _get(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
@@ -200,11 +203,23 @@ class Choice:
     tokens: list[int]
     logprobs: list[float]
     finish_reason: str
+    top: list[list[tuple[int, float]]] | None = None  # per kept token: its top alternatives, best first
 
 
-def choice(sequence: SampledSequence, tokenizer: Tokenizer, stop: tuple[str, ...]) -> Choice:
+def _top_lists(top: TopK | None, length: int) -> list[list[tuple[int, float]]]:
+    if top is None:
+        return [[] for _ in range(length)]
+    return [
+        [(int(t), float(lp)) for t, lp in zip(ids, lps) if lp != TOPK_MASK]
+        for ids, lps in zip(top.token_ids, top.logprobs)
+    ]
+
+
+def choice(sequence: SampledSequence, tokenizer: Tokenizer, stop: tuple[str, ...], top: TopK | None = None) -> Choice:
     """The visible completion: special tokens (EOS) dropped, text cut before the first stop string."""
     special = set(tokenizer.all_special_ids)
+    tops = _top_lists(top, len(sequence.tokens))
+    kept_top = [alt for t, alt in zip(sequence.tokens, tops) if t not in special]
     pairs = [(t, lp) for t, lp in zip(sequence.tokens, sequence.logprobs) if t not in special]
     text = tokenizer.decode([t for t, _ in pairs], skip_special_tokens=True)
     finish = "stop" if sequence.stop_reason == "stop" else "length"
@@ -215,23 +230,22 @@ def choice(sequence: SampledSequence, tokenizer: Tokenizer, stop: tuple[str, ...
         while kept < len(pairs) and len(tokenizer.decode([t for t, _ in pairs[:kept]], skip_special_tokens=True)) < cut:
             kept += 1
         pairs = pairs[:kept]
-    return Choice(text, [t for t, _ in pairs], [lp for _, lp in pairs], finish)
+    return Choice(text, [t for t, _ in pairs], [lp for _, lp in pairs], finish, kept_top[: len(pairs)])
 
 
-def _token_entries(tokenizer: Tokenizer, tokens: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
-    pieces = [tokenizer.decode([t]) for t in tokens]
-    return [
-        {"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": [{"token": piece, "logprob": lp, "bytes": list(piece.encode())}]}
-        for piece, lp in zip(pieces, logprobs)
-    ]
+def _entry(tokenizer: Tokenizer, token: int, logprob: float) -> dict[str, Any]:
+    piece = tokenizer.decode([token])
+    return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
 
 def _chat_logprobs(request: OpenAIRequest, tokenizer: Tokenizer, c: Choice) -> dict[str, Any] | None:
     if not request.logprobs:
         return None
-    entries = _token_entries(tokenizer, c.tokens, c.logprobs)
-    for entry in entries:
-        entry["top_logprobs"] = entry["top_logprobs"][: request.top_logprobs]
+    tops = c.top or [[] for _ in c.tokens]
+    entries = [
+        {**_entry(tokenizer, t, lp), "top_logprobs": [_entry(tokenizer, a, alp) for a, alp in alts[: request.top_logprobs]]}
+        for t, lp, alts in zip(c.tokens, c.logprobs, tops)
+    ]
     return {"content": entries, "refusal": None}
 
 
@@ -243,7 +257,11 @@ def _completion_logprobs(request: OpenAIRequest, tokenizer: Tokenizer, c: Choice
     for piece in pieces:
         offsets.append(at)
         at += len(piece)
-    top = [{piece: lp} if request.top_logprobs else None for piece, lp in zip(pieces, c.logprobs)]
+    tops = c.top or [[] for _ in c.tokens]
+    top = [
+        {tokenizer.decode([a]): alp for a, alp in alts[: request.top_logprobs]} if request.top_logprobs else None
+        for alts in tops
+    ]
     return {"tokens": pieces, "token_logprobs": c.logprobs, "top_logprobs": top, "text_offset": offsets}
 
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import zstandard
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
-from localtinker.engine.api import DatumArrays, ForwardBackwardResult, SampleResult
+from localtinker.engine.api import TOPK_MASK, DatumArrays, ForwardBackwardResult, SampleExtras, SampleResult, TopK
 
 from .errors import ProtocolError, bad_request
 
@@ -255,13 +256,35 @@ def _metric_key(key: str) -> str:
     return key.replace(":", "_") + ":mean"
 
 
-def encode_sample_response(result: SampleResult, prompt_logprobs_last_n: int | None = None) -> bytes:
+def _topk_proto(message: Any, topk: TopK, last_n: int | None = None) -> None:
+    token_ids, logprobs = topk.token_ids.astype("<i4"), topk.logprobs.astype("<f4")
+    if last_n is not None:  # prompt_logprobs_last_n applies to the prompt's top-k too
+        token_ids, logprobs = token_ids.copy(), logprobs.copy()
+        token_ids[: max(0, len(token_ids) - last_n)] = 0
+        logprobs[: max(0, len(logprobs) - last_n)] = TOPK_MASK
+    message.token_ids = token_ids.tobytes()
+    message.logprobs = logprobs.tobytes()
+    message.length, message.k = token_ids.shape
+
+
+def _tensor_proto(message: Any, array: np.ndarray) -> None:
+    dtype = pb.DTYPE_INT64 if array.dtype.kind in "iu" else pb.DTYPE_FLOAT32
+    message.dense = array.astype("<i8" if dtype == pb.DTYPE_INT64 else "<f4").tobytes()
+    message.dtype = dtype
+    message.shape.extend(array.shape)
+
+
+def encode_sample_response(
+    result: SampleResult, prompt_logprobs_last_n: int | None = None, extras: SampleExtras | None = None
+) -> bytes:
     out = pb.SampleResponse()
-    for sequence in result.sequences:
+    for i, sequence in enumerate(result.sequences):
         seq = out.sequences.add()
         seq.stop_reason = pb.STOP_REASON_STOP if sequence.stop_reason == "stop" else pb.STOP_REASON_LENGTH
         seq.tokens = np.asarray(sequence.tokens, dtype="<i4").tobytes()
         seq.logprobs = np.asarray(sequence.logprobs, dtype="<f4").tobytes()
+        if extras is not None and extras.topk_sample is not None:
+            _topk_proto(seq.topk_sampled_logprobs, extras.topk_sample[i])
     if result.prompt_logprobs is not None:
         values = np.array(
             [math.nan if v is None else float(v) for v in result.prompt_logprobs], dtype="<f4"
@@ -269,4 +292,12 @@ def encode_sample_response(result: SampleResult, prompt_logprobs_last_n: int | N
         if prompt_logprobs_last_n is not None:
             values[: max(0, values.size - prompt_logprobs_last_n)] = math.nan
         out.prompt_logprobs = values.tobytes()
+    if extras is not None:
+        if extras.topk_prompt is not None:
+            _topk_proto(out.topk_prompt_logprobs, extras.topk_prompt, prompt_logprobs_last_n)
+        if extras.target_prompt is not None:
+            _tensor_proto(out.target_prompt_logprobs, extras.target_prompt)
+        if extras.prompt_alt_tokens is not None:
+            _tensor_proto(out.prompt_alt_tokens.tokens, extras.prompt_alt_tokens[0])
+            _tensor_proto(out.prompt_alt_tokens.logprobs, extras.prompt_alt_tokens[1])
     return out.SerializeToString()

@@ -62,6 +62,16 @@ def test_completion_of_a_checkpoint_with_logprobs_matches_the_sdk(oai: openai.Op
     np.testing.assert_allclose(choice.logprobs.token_logprobs, sampled.sequences[0].logprobs[: len(choice.logprobs.tokens)], atol=1e-5)
 
 
+def test_chat_top_logprobs(oai: openai.OpenAI) -> None:
+    reply = oai.chat.completions.create(
+        model=TINY_MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, seed=2, logprobs=True, top_logprobs=3
+    )
+    for entry in reply.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == 3
+        values = [alt.logprob for alt in entry.top_logprobs]
+        assert values == sorted(values, reverse=True) and values[0] >= entry.logprob - 1e-4
+
+
 def test_stream_sends_the_same_completion_as_chunks(oai: openai.OpenAI) -> None:
     kwargs = dict(model=TINY_MODEL, messages=[{"role": "user", "content": "Count"}], max_tokens=6, seed=11)
     whole = oai.chat.completions.create(**kwargs).choices[0]

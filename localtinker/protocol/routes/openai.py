@@ -16,7 +16,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from localtinker.engine.api import EngineUserError, ModelInfo, SampleResult, SampleSpec, UnknownModelError
+from localtinker.engine.api import (
+    EngineUserError,
+    ModelInfo,
+    SampleExtras,
+    SampleExtrasSpec,
+    SampleResult,
+    SampleSpec,
+    UnknownModelError,
+)
 
 from ..core import Handler, ServiceCore
 from ..errors import ProtocolError
@@ -29,7 +37,6 @@ from ..openai_api import (
     parse_request,
     stream_events,
 )
-from ..worker import SampleJob
 
 logger = logging.getLogger("localtinker.protocol")
 
@@ -94,8 +101,12 @@ class OpenAIRoutes:
         sampler_id, base_model = await self._sampler(parsed.model)
         tokenizer = await self._tokenizer(base_model)
         prompts, texts = self._prompts(parsed, tokenizer)
-        results = await asyncio.gather(*(self._sample(sampler_id, parsed.spec(p)) for p in prompts))
-        choices = [choice(seq, tokenizer, parsed.stop) for result in results for seq in result.sequences]
+        results = await asyncio.gather(*(self._sample(sampler_id, parsed.spec(p), parsed.extras()) for p in prompts))
+        choices = [
+            choice(seq, tokenizer, parsed.stop, found.topk_sample[i] if found and found.topk_sample else None)
+            for result, found in results
+            for i, seq in enumerate(result.sequences)
+        ]
         prompt_tokens = sum(len(p) for p in prompts)
         if chat:
             response = chat_response(parsed, tokenizer, prompt_tokens, choices)
@@ -160,15 +171,17 @@ class OpenAIRoutes:
             raise OpenAIError(400, "'prompt' is empty; send at least one token of text", "prompt")
         return prompts, parsed.texts
 
-    async def _sample(self, sampler_id: str, spec: SampleSpec) -> SampleResult:
+    async def _sample(
+        self, sampler_id: str, spec: SampleSpec, extras: SampleExtrasSpec
+    ) -> tuple[SampleResult, SampleExtras | None]:
         loop = asyncio.get_running_loop()
-        done: asyncio.Future[SampleResult] = loop.create_future()
+        done: asyncio.Future[tuple[SampleResult, SampleExtras | None]] = loop.create_future()
 
-        def on_done(result: SampleResult) -> None:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+        def on_done(result: SampleResult, found: SampleExtras | None) -> None:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result((result, found)))
 
         def on_error(error: BaseException) -> None:
             loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(error))
 
-        self.core.worker.submit_sample(SampleJob(sampler_id, spec, on_done, on_error))
+        self.core.submit_sample(sampler_id, spec, extras, on_done, on_error)
         return await done

@@ -6,7 +6,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from localtinker.engine.api import SampleResult
+from localtinker.engine.api import SampleExtras, SampleResult
 
 from .. import json_codec as jc
 from .. import proto_codec
@@ -14,7 +14,6 @@ from ..core import ServiceCore
 from ..errors import bad_request, not_found
 from ..futures import Payload
 from ..registry import SamplerRecord
-from ..worker import SampleJob
 
 
 class SamplingRoutes:
@@ -72,19 +71,21 @@ class SamplingRoutes:
             request_id, sequence_ids = self._sample_requests[(sampler_id, seq_id)]
             return JSONResponse({"request_id": request_id, "sample_sequence_ids": sequence_ids})
         spec, last_n = jc.parse_sample_spec(body)
+        extras = jc.parse_sample_extras(body)
         request_id = core.futures.create("sample")
         sequence_ids = [f"{request_id}:{i}" for i in range(spec.num_samples)]
         if seq_id is not None:
             self._remember_sample_request((sampler_id, seq_id), (request_id, sequence_ids))
 
-        def encode(result: SampleResult) -> Payload:
-            if len(result.sequences) != spec.num_samples:
-                raise RuntimeError(f"engine returned {len(result.sequences)} sequences for num_samples={spec.num_samples}")
-            return Payload(proto_body=proto_codec.encode_sample_response(result, last_n))
+        complete, fail = core.complete_future(request_id, lambda payload: payload), core.fail_future(request_id)
 
-        core.worker.submit_sample(
-            SampleJob(sampler_id, spec, core.complete_future(request_id, encode), core.fail_future(request_id))
-        )
+        def done(result: SampleResult, found: SampleExtras | None) -> None:
+            if len(result.sequences) != spec.num_samples:
+                fail(RuntimeError(f"engine returned {len(result.sequences)} sequences for num_samples={spec.num_samples}"))
+                return
+            complete(Payload(proto_body=proto_codec.encode_sample_response(result, last_n, found)))
+
+        core.submit_sample(sampler_id, spec, extras, done, fail)
         return JSONResponse({"request_id": request_id, "sample_sequence_ids": sequence_ids})
 
     def _remember_sample_request(self, key: tuple[str, int], value: tuple[str, list[str]]) -> None:
