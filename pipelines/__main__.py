@@ -1,4 +1,4 @@
-"""Command line: `python -m pipelines demo | ui | lineage <checkpoint>`."""
+"""Command line: `python -m pipelines demo | ui | lineage <checkpoint> | benchmark <checkpoint> --task <name>`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     lineage = commands.add_parser("lineage", help="trace a checkpoint to its run, data and base model")
     lineage.add_argument("reference", nargs="?", help="tinker:// path, <registered-model>/<version> or partition key")
     lineage.add_argument("--list", action="store_true", help="list known checkpoints")
+    bench = commands.add_parser("benchmark", help="benchmark a checkpoint or base model through inspect-ai (one JSON line per task)")
+    bench.add_argument("reference", help="checkpoint (as lineage takes it) or a base model name")
+    bench.add_argument("--task", action="append", required=True, help="gsm8k | math500 | mmlu | ifeval | humaneval | inspect_evals/<task> | file.py[@task]; repeatable")
+    bench.add_argument("--limit", type=int, default=0, help="samples per task (default: all)")
+    bench.add_argument("--max-tokens", type=int, default=0, help="answer budget (default: the task's)")
+    bench.add_argument("-T", dest="task_args", action="append", default=[], metavar="NAME=VALUE", help="task argument (value read as JSON when it parses)")
     args = parser.parse_args(argv)
 
     from resources.state import ensure_dagster_home
@@ -31,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         from pipelines.ui import serve
 
         return serve(args.dagster_port, args.mlflow_port)
+    if args.command == "benchmark":
+        from pipelines.benchmarks import parse_task_args, run_cli
+
+        return run_cli(args.reference, args.task, args.limit, args.max_tokens, parse_task_args(args.task_args))
     if args.command == "demo":
         from pipelines.definitions import defs
         from pipelines.demo import format_demo, run_demo

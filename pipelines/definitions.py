@@ -23,6 +23,7 @@ from assets.dpo import DPO_ASSETS, DPO_DATA_ASSETS, DPO_EVAL
 from assets.rl import RL_EVAL, rl_checkpoint, rl_checkpoints, rl_eval_report
 from assets.rollouts import rollout_batches
 from assets.sft import SFT_EVAL, sft_checkpoint, sft_checkpoints, sft_eval_report
+from pipelines.benchmarks import benchmark_definitions
 from pipelines.recipes import build_recipe_jobs
 from resources.mlflow import MlflowResource
 from resources.parquet_io import ParquetIOManager
@@ -48,7 +49,10 @@ def tinker_resource_from_env() -> TinkerResource:
 def default_resources() -> dict:
     return {
         "tinker": tinker_resource_from_env(),
-        "mlflow": MlflowResource(ui_url=os.environ.get("MLFLOW_UI_URL", "http://127.0.0.1:5000")),
+        "mlflow": MlflowResource(
+            ui_url=os.environ.get("MLFLOW_UI_URL", "http://127.0.0.1:5000"),
+            best_follows=os.environ.get("POSTTRAIN_BEST_FOLLOWS") or None,  # a benchmark name: `best` follows it
+        ),
         "io_manager": ParquetIOManager(base_dir=str(state_subdir("parquet"))),
     }
 
@@ -73,7 +77,7 @@ def build_definitions(resources: dict) -> dg.Definitions:
         build_recipe_jobs(PROMPT_DISTILL_EVAL, PROMPT_DISTILL_DATA_ASSETS),
         build_recipe_jobs(DPO_EVAL, DPO_DATA_ASSETS),
     ]
-    return dg.Definitions(
+    recipe_definitions = dg.Definitions(
         assets=[*DATA_ASSETS, sft_checkpoint, sft_checkpoints, sft_eval_report,
                 rl_checkpoint, rl_checkpoints, rl_eval_report, rollout_batches,
                 code_rl_checkpoint, code_rl_checkpoints, code_rl_eval_report, *DISTILL_ASSETS, *DPO_ASSETS],
@@ -82,6 +86,7 @@ def build_definitions(resources: dict) -> dg.Definitions:
         schedules=[recipe.schedule for recipe in recipes],
         resources=resources,
     )
+    return dg.Definitions.merge(recipe_definitions, benchmark_definitions())
 
 
 defs = build_definitions(default_resources())

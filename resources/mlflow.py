@@ -66,6 +66,7 @@ TAG_STEP = "step"
 TAG_LOGGED_MODEL_ID = "logged_model_id"  # on model versions (the sqlite registry does not store model_id)
 TAG_EVALUATED = "eval.evaluated"  # on model versions: an evaluation finished (candidates for latest-evaluated)
 TAG_EVAL_SCORE = "eval.score"  # on model versions: the held-out task score (candidates for `best`)
+BENCHMARK_TAG_PREFIX = "benchmark."  # on model versions: benchmark.<name> = score (+ .stderr, .n), see record_benchmark
 
 ALIAS_LATEST = "latest-evaluated"  # MLflow reserves "latest" (models:/<name>/latest = newest version, evaluated or not)
 ALIAS_BEST = "best"
@@ -354,6 +355,27 @@ class MlflowResource(dg.ConfigurableResource):
     ui_url: str = Field(
         default="http://127.0.0.1:5000", description="Where the MLflow UI is served (`make ui`); used for links."
     )
+    best_follows: str | None = Field(
+        default=None,
+        description="Empty: the alias `best` follows each recipe's held-out eval score. A benchmark name (e.g. gsm8k): "
+        "`best` follows that benchmark's score instead (versions not benchmarked yet are not candidates).",
+    )
+
+    def score_tag(self) -> str:
+        """The model-version tag `best` is chosen by."""
+        return benchmark_tag(self.best_follows) if self.best_follows else TAG_EVAL_SCORE
+
+    def record_benchmark(self, model_name: str, version: int | str, benchmark: str, value: float, stderr: float, n: int) -> dict[str, int]:
+        """Tags ``version`` with its ``benchmark`` score (``benchmark.<name>``, ``.stderr``, ``.n``); when `best`
+        follows this benchmark, marks the version evaluated and moves the aliases as :meth:`update_aliases` does."""
+        client = self.get_client()
+        tag = benchmark_tag(benchmark)
+        for name, text in ((tag, repr(float(value))), (f"{tag}.stderr", repr(float(stderr))), (f"{tag}.n", str(int(n)))):
+            client.set_model_version_tag(model_name, str(version), name, text)
+        if self.best_follows != benchmark:
+            return {}
+        client.set_model_version_tag(model_name, str(version), TAG_EVALUATED, "true")
+        return self._converge_aliases(client, model_name, version, higher_is_better=True)
 
     def resolved_tracking_uri(self) -> str:
         return self.tracking_uri or default_mlflow_tracking_uri()
@@ -449,9 +471,12 @@ class MlflowResource(dg.ConfigurableResource):
         client.set_model_version_tag(model_name, str(version), TAG_EVALUATED, "true")
         if score is not None:
             client.set_model_version_tag(model_name, str(version), TAG_EVAL_SCORE, repr(float(score)))
+        return self._converge_aliases(client, model_name, version, higher_is_better)
+
+    def _converge_aliases(self, client: MlflowClient, model_name: str, version: int | str, higher_is_better: bool) -> dict[str, int]:
         conflict: MlflowException | None = None
         for attempt in range(ALIAS_ATTEMPTS):
-            wanted = _wanted_aliases(client, model_name, higher_is_better)
+            wanted = _wanted_aliases(client, model_name, higher_is_better, self.score_tag())
             current = client.get_registered_model(model_name).aliases
             stale = {alias: target for alias, target in wanted.items() if str(current.get(alias)) != str(target)}
             if not stale:
@@ -512,14 +537,18 @@ class MlflowResource(dg.ConfigurableResource):
         return runs[0] if runs else None
 
 
-def _wanted_aliases(client: MlflowClient, model_name: str, higher_is_better: bool) -> dict[str, int]:
+def benchmark_tag(benchmark: str) -> str:
+    return f"{BENCHMARK_TAG_PREFIX}{benchmark}"
+
+
+def _wanted_aliases(client: MlflowClient, model_name: str, higher_is_better: bool, score_tag: str = TAG_EVAL_SCORE) -> dict[str, int]:
     """The aliases the evaluated versions' tags imply now (see ``MlflowResource.update_aliases``)."""
     evaluated = client.search_model_versions(f"name = '{model_name}' and tags.`{TAG_EVALUATED}` = 'true'")
     wanted = {ALIAS_LATEST: max(int(v.version) for v in evaluated)}
-    scored = [v for v in evaluated if TAG_EVAL_SCORE in v.tags]
+    scored = [v for v in evaluated if score_tag in v.tags]
     if scored:
         sign = 1.0 if higher_is_better else -1.0
-        best = max(scored, key=lambda v: (sign * float(v.tags[TAG_EVAL_SCORE]), int(v.version)))
+        best = max(scored, key=lambda v: (sign * float(v.tags[score_tag]), int(v.version)))
         wanted[ALIAS_BEST] = int(best.version)
     return wanted
 

@@ -71,6 +71,8 @@ ASSET_GRAPH = {
     ),
     "dpo_checkpoints": (["dpo_checkpoint"], "training", ["tinker"], "dpo_checkpoints", []),
     "dpo_eval_report": (["dpo_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "dpo_checkpoints", ["improves_on_base"]),
+    "benchmark_result": ([], "benchmarks", ["mlflow", "parquet", "tinker"], "benchmark_runs", []),
+    "leaderboard": (["benchmark_result"], "benchmarks", ["mlflow", "parquet"], None, []),
 }
 
 
@@ -121,9 +123,10 @@ def test_recipe_jobs_run_in_process_by_default_and_multiprocess_on_request(proje
 
 def test_every_config_field_has_a_default_and_a_description():
     from assets.base_model import BaseModelConfig
+    from assets.benchmarks import BenchmarkConfig
     from assets.evals import EvalConfig
 
-    configs = [BaseModelConfig, EvalConfig] + [training_config_class(spec) for spec in TRAINING_SPECS]
+    configs = [BaseModelConfig, EvalConfig, BenchmarkConfig] + [training_config_class(spec) for spec in TRAINING_SPECS]
     for config in configs:
         for name, field in config.model_fields.items():
             assert not field.is_required(), f"{config.__name__}.{name} has no default"

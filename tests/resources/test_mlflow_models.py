@@ -250,3 +250,17 @@ def test_evaluations_finishing_together_all_succeed_and_leave_the_aliases_every_
     race = race_alias_updates(f"sqlite:///{store / 'race.db'}")
     assert race.errors == []
     assert race.aliases == [race.implied_aliases] * len(race.aliases)
+
+
+def test_best_can_follow_a_benchmark_instead_of_the_eval_score(resource, model_name):
+    register_versions(resource, model_name, 3)
+    follows = resource.model_copy(update={"best_follows": "gsm8k"})
+    resource.update_aliases(model_name, 1, 0.9)  # held-out eval score: v1 would be best
+    assert follows.record_benchmark(model_name, 2, "gsm8k", 0.40, 0.05, 100) == {ALIAS_LATEST: 2, ALIAS_BEST: 2}
+    assert follows.record_benchmark(model_name, 3, "gsm8k", 0.30, 0.05, 100) == {ALIAS_LATEST: 3, ALIAS_BEST: 2}
+    assert follows.update_aliases(model_name, 1, 0.95) == {ALIAS_LATEST: 3, ALIAS_BEST: 2}  # evals no longer move best
+    tags = resource.get_client().get_model_version(model_name, "3").tags
+    assert (tags["benchmark.gsm8k"], tags["benchmark.gsm8k.stderr"], tags["benchmark.gsm8k.n"]) == ("0.3", "0.05", "100")
+    # without best_follows, a benchmark only tags the version
+    assert resource.record_benchmark(model_name, 1, "mmlu", 0.5, 0.1, 10) == {}
+    assert int(resource.get_client().get_registered_model(model_name).aliases[ALIAS_BEST]) == 2

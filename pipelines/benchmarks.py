@@ -1,0 +1,238 @@
+"""Benchmark automation: the job, the new-checkpoint sensor, the daily schedule, and the leaderboard's sensor.
+
+What runs is the configured suite (:class:`BenchmarkSuite`, from the environment):
+- ``POSTTRAIN_BENCHMARKS`` — comma-separated benchmark names (default ``gsm8k,mmlu``);
+- ``POSTTRAIN_BENCHMARK_TRIGGER`` — ``best`` (default: a checkpoint that becomes its recipe's MLflow
+  ``best``) or ``every`` (every new checkpoint);
+- ``POSTTRAIN_BENCHMARK_LIMIT`` — samples per benchmark for automatic runs (default 100; 0 = all).
+
+A benchmarked checkpoint brings its parent and its base model along (each once), so the leaderboard
+always has the rows it compares against. Every (model, benchmark) pair is requested once: its partition
+of ``benchmark_result`` is added when it is requested, and a key that exists is never requested again
+(re-materialize it by hand). Runs carry the ``tinker`` pool (on the asset), like training runs.
+
+- sensor ``benchmark_new_checkpoints`` (running by default): the trigger above;
+- schedule ``benchmark_newest_checkpoints`` (daily, running by default): the newest checkpoint of each
+  recipe that has not been benchmarked yet;
+- sensor ``update_leaderboard``: the leaderboard's ``eager`` condition, after every new result.
+"""
+
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import dagster as dg
+from mlflow.exceptions import MlflowException
+
+from assets.benchmarks import BENCHMARK_ASSETS, BENCHMARK_PARTITIONS, BenchmarkKey, base_key, benchmark_result, ensure_partitions, leaderboard
+from assets.checkpoint_manifest import CheckpointManifest, all_manifests
+from assets.registration import partitions_name
+from resources.mlflow import ALIAS_BEST, MlflowResource
+
+BENCHMARK_JOB = "benchmark"
+DAILY_CRON = "0 5 * * *"
+TRIGGERS = ("best", "every")
+
+
+@dataclass(frozen=True)
+class BenchmarkSuite:
+    benchmarks: tuple[str, ...] = ("gsm8k", "mmlu")
+    trigger: str = "best"
+    limit: int = 100
+
+    @classmethod
+    def from_env(cls) -> "BenchmarkSuite":
+        names = tuple(name.strip() for name in os.environ.get("POSTTRAIN_BENCHMARKS", "gsm8k,mmlu").split(",") if name.strip())
+        trigger = os.environ.get("POSTTRAIN_BENCHMARK_TRIGGER", "best")
+        if trigger not in TRIGGERS:
+            raise ValueError(f"POSTTRAIN_BENCHMARK_TRIGGER={trigger!r}: use one of {TRIGGERS}")
+        return cls(names, trigger, int(os.environ.get("POSTTRAIN_BENCHMARK_LIMIT", "100")))
+
+    def run_config(self) -> dict:
+        return {"ops": {benchmark_result.key.to_python_identifier(): {"config": {"limit": self.limit}}}}
+
+    def keys_for(self, manifest: CheckpointManifest) -> list[BenchmarkKey]:
+        """The checkpoint, its parent and its base model, each on every benchmark of the suite."""
+        models = [manifest.partition, *([manifest.parent_partition] if manifest.parent_partition else []), base_key(manifest.base_model)]
+        return [BenchmarkKey(model, benchmark) for model in models for benchmark in self.benchmarks]
+
+
+def benchmark_job() -> "dg.UnresolvedAssetJobDefinition":
+    return dg.define_asset_job(
+        BENCHMARK_JOB, selection=[benchmark_result], partitions_def=BENCHMARK_PARTITIONS,
+        description="Benchmark one (model, benchmark) partition through inspect-ai.",
+    )
+
+
+def run_requests(instance: dg.DagsterInstance, suite: BenchmarkSuite, manifests: list[CheckpointManifest], trigger: str) -> list[dg.RunRequest]:
+    """Adds the partitions not requested before and returns one run request for each."""
+    keys = [key for manifest in manifests for key in suite.keys_for(manifest)]
+    return [
+        dg.RunRequest(
+            run_key=f"benchmark:{key.partition}", partition_key=key.partition, run_config=suite.run_config(),
+            tags={"posttrain/trigger": trigger},
+        )
+        for key in ensure_partitions(instance, keys)
+    ]
+
+
+def best_manifests(manifests: list[CheckpointManifest], mlflow: MlflowResource) -> list[CheckpointManifest]:
+    """The manifests whose model version is their registered model's ``best`` now."""
+    best: dict[str, str | None] = {}
+    for name in {manifest.registered_model for manifest in manifests}:
+        try:
+            best[name] = str(mlflow.resolve_alias(name, ALIAS_BEST).version)
+        except (LookupError, MlflowException):
+            best[name] = None
+    return [manifest for manifest in manifests if best.get(manifest.registered_model) == str(manifest.model_version)]
+
+
+def new_checkpoint_sensor(suite: BenchmarkSuite, job: "dg.UnresolvedAssetJobDefinition") -> dg.SensorDefinition:
+    @dg.sensor(
+        name="benchmark_new_checkpoints",
+        job=job,
+        minimum_interval_seconds=60,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description=f"Benchmarks ({', '.join(suite.benchmarks)}) each checkpoint that becomes its recipe's `best`"
+        " (or every new checkpoint: POSTTRAIN_BENCHMARK_TRIGGER=every), with its parent and base model.",
+    )
+    def _sensor(context: dg.SensorEvaluationContext, mlflow: MlflowResource) -> Iterator[dg.RunRequest | dg.SkipReason]:
+        manifests = [manifest for manifest in all_manifests() if manifest.sampler_path]
+        if suite.trigger == "best":
+            manifests = best_manifests(manifests, mlflow)
+        requests = run_requests(context.instance, suite, manifests, f"sensor:{suite.trigger}")
+        if not requests:
+            yield dg.SkipReason(f"no new checkpoint to benchmark ({len(manifests)} candidate(s) already requested)")
+        yield from requests
+
+    return _sensor
+
+
+def newest_checkpoint_schedule(suite: BenchmarkSuite, job: "dg.UnresolvedAssetJobDefinition") -> dg.ScheduleDefinition:
+    @dg.schedule(
+        name="benchmark_newest_checkpoints",
+        job=job,
+        cron_schedule=DAILY_CRON,
+        default_status=dg.DefaultScheduleStatus.RUNNING,
+        description=f"Daily: benchmarks ({', '.join(suite.benchmarks)}) the newest checkpoint of each recipe not benchmarked yet.",
+    )
+    def _schedule(context: dg.ScheduleEvaluationContext) -> Iterator[dg.RunRequest | dg.SkipReason]:
+        requests = run_requests(context.instance, suite, newest_per_recipe(context.instance), "schedule")
+        if not requests:
+            yield dg.SkipReason("the newest checkpoint of every recipe is benchmarked already")
+        yield from requests
+
+    return _schedule
+
+
+def newest_per_recipe(instance: dg.DagsterInstance) -> list[CheckpointManifest]:
+    """Each recipe's most recently added checkpoint partition that has sampler weights."""
+    by_partition = {manifest.partition: manifest for manifest in all_manifests() if manifest.sampler_path}
+    newest = []
+    for recipe in sorted({manifest.recipe for manifest in by_partition.values()}):
+        keys = [key for key in instance.get_dynamic_partitions(partitions_name(recipe)) if key in by_partition]
+        if keys:
+            newest.append(by_partition[keys[-1]])
+    return newest
+
+
+def leaderboard_sensor() -> dg.AutomationConditionSensorDefinition:
+    return dg.AutomationConditionSensorDefinition(
+        "update_leaderboard",
+        target=dg.AssetSelection.assets(leaderboard),
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        minimum_interval_seconds=30,
+        description="Refreshes the leaderboard after new benchmark results (its eager condition).",
+    )
+
+
+def benchmark_definitions(suite: BenchmarkSuite | None = None) -> dg.Definitions:
+    suite = suite or BenchmarkSuite.from_env()
+    job = benchmark_job()
+    return dg.Definitions(
+        assets=BENCHMARK_ASSETS,
+        jobs=[job],
+        sensors=[new_checkpoint_sensor(suite, job), leaderboard_sensor()],
+        schedules=[newest_checkpoint_schedule(suite, job)],
+    )
+
+
+# -- the `python -m pipelines benchmark` command -------------------------------------------------------
+
+CHECKPOINT_REFERENCE = re.compile(r"^(tinker://.*|[^/\s]+/\d+|[a-z_]+-[0-9a-f]{8}-.+)$")
+
+
+def model_key(reference: str, instance: dg.DagsterInstance) -> str:
+    """A checkpoint reference (as ``lineage`` takes it) → its partition key; anything else is a base model name."""
+    from pipelines.lineage import resolve_reference
+
+    try:
+        return resolve_reference(reference, MlflowResource().get_client()).partition
+    except LookupError as error:
+        if CHECKPOINT_REFERENCE.match(reference):
+            raise LookupError(f"checkpoint {reference!r} does not exist: {error}") from error
+    return base_key(reference)
+
+
+def run_cli(reference: str, tasks: list[str], limit: int, max_tokens: int, task_args: dict[str, object]) -> int:
+    """Benchmarks ``reference`` on each task through the ``benchmark_result`` asset; one JSON line per task."""
+    from pipelines.definitions import default_resources
+
+    with dg.DagsterInstance.get() as instance:
+        try:
+            model = model_key(reference, instance)
+        except LookupError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        resources = {name: value for name, value in default_resources().items() if name in ("tinker", "mlflow")}
+        config = {"limit": limit, "max_tokens": max_tokens, "task_args": json.dumps(task_args)}
+        failed = 0
+        for task in tasks:
+            key = BenchmarkKey(model, task)
+            added = ensure_partitions(instance, [key])
+            outcome = dg.materialize(
+                [benchmark_result], partition_key=key.partition, instance=instance, resources=resources,
+                run_config={"ops": {"benchmark_result": {"config": config}}}, raise_on_error=False,
+                tags={"posttrain/trigger": "cli"},
+            )
+            if not outcome.success:
+                if added:  # a failed first run records nothing, not even the requested key
+                    instance.delete_dynamic_partition(BENCHMARK_PARTITIONS.name, key.partition)
+                print(f"error: {task}: {_failure_message(outcome)}", file=sys.stderr)
+                failed += 1
+                continue
+            metadata = {name: getattr(value, "value", value) for name, value in outcome.asset_materializations_for_node("benchmark_result")[0].metadata.items()}
+            print(json.dumps({
+                "task": task, "model": model, "metric": metadata["metric"], "value": metadata["value"],
+                "stderr": None if math.isnan(metadata["stderr"]) else metadata["stderr"], "n": metadata["n"],
+                "log": metadata["inspect_log"], "view": metadata["view"],
+            }), flush=True)
+        return 2 if failed else 0
+
+
+def _failure_message(outcome: "dg.ExecuteInProcessResult") -> str:
+    for event in outcome.all_events:
+        if event.is_step_failure and event.step_failure_data.error is not None:
+            error = event.step_failure_data.error
+            while error.cause is not None and error.message.startswith(("dagster._core.errors.DagsterExecutionStepExecutionError", "Error occurred while")):
+                error = error.cause
+            return error.message.strip()
+    return "the run failed (see the Dagster run log)"
+
+
+def parse_task_args(pairs: list[str]) -> dict[str, object]:
+    """``-T name=value`` pairs; a value that parses as JSON (numbers, true/false) is taken as such."""
+    args: dict[str, object] = {}
+    for pair in pairs:
+        name, separator, value = pair.partition("=")
+        if not separator or not name:
+            raise SystemExit(f"error: -T {pair!r}: write -T name=value")
+        try:
+            args[name] = json.loads(value)
+        except json.JSONDecodeError:
+            args[name] = value
+    return args

@@ -1,0 +1,156 @@
+"""The leaderboard: every benchmarked model (base models, checkpoints) × every benchmark, in one table.
+
+Rows are models: base models first, then each recipe's checkpoints by step, each naming its parent
+(the checkpoint it was trained from, or its base model). A cell is ``value ± s.e. (n)``; where the
+parent was scored on the same benchmark, ``Δ parent`` is the *paired* difference over the samples
+both scored (``posttrain.eval.stats.paired_difference``), flagged ``*`` beyond two standard errors.
+The same rows go to parquet (long form, one row per model × benchmark), markdown and a PNG bar chart
+with ±1 s.e. error bars.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from posttrain.eval.stats import paired_difference
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A benchmarked model: a base model or a checkpoint, with what it came from."""
+
+    key: str  # "base:<model>" or the checkpoint's partition key
+    label: str  # what the table shows
+    recipe: str  # "base" for base models
+    step: int
+    parent: str | None  # the parent's key (a checkpoint or "base:<model>"); None for a base model
+
+
+@dataclass(frozen=True)
+class Cell:
+    benchmark: str
+    metric: str
+    value: float
+    stderr: float
+    n: int
+    scores: Mapping[str, float]  # sample id -> score (mean over epochs), for paired comparisons
+    log: str = ""
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    recipe: str
+    step: int
+    parent: str
+    benchmark: str
+    metric: str
+    value: float
+    stderr: float
+    n: int
+    delta_parent: float
+    delta_parent_stderr: float
+    delta_parent_n: int
+    significant: bool
+    log: str
+
+
+def build_rows(models: Sequence[ModelEntry], cells: Mapping[tuple[str, str], Cell]) -> list[Row]:
+    """Long-form rows in table order (base models, then recipes by step), with paired Δ vs parent."""
+    rows = []
+    for model in order_models(models):
+        for (key, benchmark), cell in sorted(cells.items(), key=lambda item: item[0][1]):
+            if key != model.key:
+                continue
+            parent_cell = cells.get((model.parent, benchmark)) if model.parent else None
+            delta = _paired(cell, parent_cell)
+            rows.append(
+                Row(
+                    model=model.label, recipe=model.recipe, step=model.step, parent=model.parent or "",
+                    benchmark=benchmark, metric=cell.metric, value=cell.value, stderr=cell.stderr, n=cell.n,
+                    delta_parent=delta.delta if delta else math.nan,
+                    delta_parent_stderr=delta.stderr if delta else math.nan,
+                    delta_parent_n=delta.n if delta else 0,
+                    significant=bool(delta and delta.significant),
+                    log=cell.log,
+                )
+            )
+    return rows
+
+
+def order_models(models: Sequence[ModelEntry]) -> list[ModelEntry]:
+    return sorted(models, key=lambda m: (m.recipe != "base", m.recipe, m.step, m.key))
+
+
+def table(rows: Sequence[Row]) -> pa.Table:
+    return pa.Table.from_pylist([asdict(row) for row in rows])
+
+
+def markdown(rows: Sequence[Row]) -> str:
+    """Models down, benchmarks across: ``value ± s.e. (n)`` and, under a parent, ``Δ`` with its s.e."""
+    benchmarks = sorted({row.benchmark for row in rows})
+    models: dict[str, dict[str, Row]] = {}
+    parents: dict[str, str] = {}
+    for row in rows:
+        models.setdefault(row.model, {})[row.benchmark] = row
+        parents[row.model] = row.parent
+    lines = ["| model | parent | " + " | ".join(benchmarks) + " |", "|---|---|" + "---|" * len(benchmarks)]
+    for model, by_benchmark in models.items():
+        cells = [_cell_text(by_benchmark.get(benchmark)) for benchmark in benchmarks]
+        lines.append(f"| {model} | {parents[model] or '—'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def chart(rows: Sequence[Row], path: Path) -> Path:
+    """A grouped bar chart (benchmark groups, one bar per model) with ±1 s.e. error bars, as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    benchmarks = sorted({row.benchmark for row in rows})
+    models = list(dict.fromkeys(row.model for row in rows))
+    width = 0.8 / max(len(models), 1)
+    figure, axes = plt.subplots(figsize=(max(6.0, 1.6 * len(benchmarks) * max(1, len(models)) / 2), 4.0))
+    for index, model in enumerate(models):
+        values, errors, positions = [], [], []
+        for position, benchmark in enumerate(benchmarks):
+            row = next((r for r in rows if r.model == model and r.benchmark == benchmark), None)
+            if row is None:
+                continue
+            positions.append(position + (index - (len(models) - 1) / 2) * width)
+            values.append(row.value)
+            errors.append(0.0 if math.isnan(row.stderr) else row.stderr)
+        axes.bar(positions, values, width, yerr=errors, capsize=3, label=model)
+    axes.set_xticks(range(len(benchmarks)), benchmarks)
+    axes.set_ylabel("score (± 1 s.e.)")
+    axes.set_ylim(0, 1.05)
+    axes.legend(fontsize=7, loc="upper right")
+    axes.set_title("Benchmarks by checkpoint")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100, format="png")
+    plt.close(figure)
+    return path
+
+
+def _paired(cell: Cell, parent: Cell | None):
+    if parent is None or not set(cell.scores) & set(parent.scores):
+        return None
+    return paired_difference(cell.scores, parent.scores)
+
+
+def _cell_text(row: Row | None) -> str:
+    if row is None:
+        return "—"
+    stderr = "?" if math.isnan(row.stderr) else f"{row.stderr:.3f}"
+    text = f"{row.value:.3f} ± {stderr} (n={row.n})"
+    if row.delta_parent_n:
+        delta_se = "?" if math.isnan(row.delta_parent_stderr) else f"{row.delta_parent_stderr:.3f}"
+        text += f"<br>Δ {row.delta_parent:+.3f} ± {delta_se}{' *' if row.significant else ''}"
+    return text
