@@ -81,7 +81,7 @@ CODE_RL = TrainingSpec(
     library_config=RLConfig,
     ins={CODE_PROBLEMS_ASSET: dg.AssetIn()},
     build=build_code_rl,
-    parent_assets=("sft_checkpoint",),
+    parent_assets=("sft_checkpoint", "dpo_checkpoint", "rl_checkpoint", "distill_checkpoint", "prompt_distill_checkpoint"),
     default_init_from="",
     # Defaults that measurably lift SmolLM2-135M-Instruct's held-out pass@1 in minutes (docs/benchmarks.md, code RL).
     defaults={

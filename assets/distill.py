@@ -1,13 +1,15 @@
 """Distillation on the platform: on-policy (``distill_checkpoint``) and prompt distillation
 (``teacher_responses`` → ``prompt_distill_checkpoint``).
 
-On-policy: the student (a fresh LoRA on the base model, or ``init_from``) samples the ``rl_problems``
-train prompts (or any RL env); the teacher of each prompt's dataset — a checkpoint named by reference
+On-policy: the student (a fresh LoRA on the base model, or ``init_from``) samples the train prompts of the
+table chosen in the launchpad (``prompts``: ``rl_problems``, ``chat_dataset`` or ``preference_comparisons``;
+``posttrain.distill.prompts``); the teacher of each prompt's dataset — a checkpoint named by reference
 (partition key, ``latest:<recipe>``, ``best:<recipe>``, a ``tinker://`` sampler path) or the base model —
 scores every sampled token (``posttrain.distill``). Teachers are recorded in each checkpoint manifest
 (``related.teachers``) so ``python -m pipelines lineage`` reaches their training data; the eval report
-gives held-out ``teacher_kl``, task accuracy and the teachers' own accuracy, against the base model and
-the student's start (the parent column).
+gives held-out ``teacher_kl`` (``best`` follows it) on the trained prompts version's held-out prompts and,
+when they have gold answers, task accuracy and the teachers' own accuracy, against the base model and the
+student's start (the parent column).
 
 Prompt distillation: a teacher plus a system prompt answers the ``rl_problems`` questions
 (``teacher_responses``, a checked chat table *without* the system prompt, split kept); SFT of the
@@ -36,6 +38,7 @@ from assets.datasets import (
 )
 from assets.evals import EvalInputs, EvalSpec, build_eval_asset
 from assets.problems import PROBLEMS_ASSET
+from assets.rl import side_loading_error
 from assets.training import RecipeInputs, RecipeRun, TrainingSpec, build_checkpoints_asset, build_training_asset
 from assets.upstream import latest_version
 from posttrain.datasets import schemas
@@ -52,7 +55,8 @@ from posttrain.distill.prompt import (
     agreement_problems,
     teacher_responses as answer_prompts,
 )
-from posttrain.eval.accuracy import AccuracyEvaluator, problems_from_table
+from posttrain.distill.prompts import has_gold_answers, prompts_table
+from posttrain.eval.accuracy import AccuracyEvaluator, TaskProblem, problems_from_table
 from posttrain.renderers import get_renderer
 from posttrain.rl.envs import build_rl_dataset
 from posttrain.supervised.data import RenderedTokens
@@ -64,6 +68,8 @@ from resources.tinker import TinkerResource
 RESPONSES_ASSET = "teacher_responses"
 TABLE_ENV = "problems"
 TEACHER_ASSETS = ("sft_checkpoint", "rl_checkpoint")  # where teachers come from: drawn as graph edges
+PROMPT_ASSETS = (PROBLEMS_ASSET, "chat_dataset", "preference_comparisons")  # tables on-policy distillation may draw prompts from
+STUDENT_PARENTS = ("sft_checkpoint", "dpo_checkpoint", "rl_checkpoint")  # checkpoints a student may start from (init_from)
 ROLLOUTS_FILE = "distill_rollouts.jsonl"
 DEFAULT_SYSTEM_PROMPT = "You are a careful calculator. Think briefly, then end with 'The answer is N.'"
 
@@ -111,16 +117,18 @@ def build_distill(inputs: RecipeInputs) -> RecipeRun:
     mlflow = getattr(inputs.context.resources, "mlflow", None)
     resolved = {dataset: resolve_teacher(reference, inputs.base_model, mlflow) for dataset, reference in config.teachers.items()}
     routing = TeacherRouting({dataset: teacher for dataset, (teacher, _) in resolved.items()})
-    table = inputs.tables[PROBLEMS_ASSET]
+    if config.env != TABLE_ENV:
+        raise dg.Failure(side_loading_error("distill_checkpoint", config.env))
+    prompts_asset = inputs.launch_config.prompts
     tokenizer = load_tokenizer(inputs.base_model)
     try:
-        if config.env == TABLE_ENV:  # every train task must have a teacher before anything is sampled
-            for task in sorted({p.task or config.env for p in rl_problems_from_table(table, TRAIN_SPLIT)}):
-                routing.teacher_for(task)
+        table = prompts_table(inputs.tables[prompts_asset])
+        for task in sorted({p.task or config.env for p in rl_problems_from_table(table, TRAIN_SPLIT)}):
+            routing.teacher_for(task)  # every train task must have a teacher before anything is sampled
         dataset = build_rl_dataset(
-            config.env, get_renderer(config.renderer, tokenizer), group_size=config.group_size,
-            groups_per_batch=config.groups_per_batch, seed=config.training.seed, num_batches=config.num_batches,
-            format_coef=config.format_coef, table=table if config.env == TABLE_ENV else None, options=config.env_options,
+            TABLE_ENV, get_renderer(config.renderer, tokenizer), group_size=config.group_size,
+            groups_per_batch=config.groups_per_batch, seed=config.training.seed,
+            format_coef=config.format_coef, table=table, options=config.env_options,
         )
         recipe = DistillRecipe(config, dataset, routing, tokenizer)
     except (ValueError, KeyError) as error:
@@ -130,7 +138,8 @@ def build_distill(inputs: RecipeInputs) -> RecipeRun:
         row_sinks=[JsonlRowSink(Path(inputs.log_dir) / ROLLOUTS_FILE)],
         related={
             "teachers": [teacher_lineage(dataset, teacher, manifest) for dataset, (teacher, manifest) in sorted(resolved.items())],
-            "env": {"name": config.env, "options": dict(config.env_options)},
+            "env": {"name": TABLE_ENV, "options": dict(config.env_options)},
+            "prompts": {"asset": prompts_asset, "data_version": inputs.data_version(prompts_asset)},
         },
         renderer=config.renderer,
     )
@@ -139,40 +148,45 @@ def build_distill(inputs: RecipeInputs) -> RecipeRun:
 DISTILL = TrainingSpec(
     recipe="distill",
     library_config=DistillConfig,
-    ins={PROBLEMS_ASSET: dg.AssetIn()},
+    ins={},  # the prompts table is the launchpad's choice (input_choice)
     build=build_distill,
     defaults={"env": TABLE_ENV, "teachers": {"*": "latest:sft"}, "save_every": 5, "learning_rate": 1e-4, "lora_rank": 16},
+    parent_assets=STUDENT_PARENTS,
     extra_deps=TEACHER_ASSETS,
-    description="On-policy distillation: the student samples rl_problems prompts, each prompt's teacher scores every "
-    "token (reverse KL); every saved checkpoint becomes a `distill_checkpoints` partition.",
+    input_choice=("prompts", PROMPT_ASSETS),
+    description="On-policy distillation: the student samples the prompts of the chosen table (rl_problems, chat_dataset or "
+    "preference_comparisons), each prompt's teacher scores every token (reverse KL); every saved checkpoint becomes a "
+    "`distill_checkpoints` partition.",
 )
 distill_checkpoint = build_training_asset(DISTILL)
 distill_checkpoints = build_checkpoints_asset(DISTILL)
 
 
 def distill_evaluators(inputs: EvalInputs) -> list:
-    """Held-out teacher KL, greedy task accuracy, and the teachers' own accuracy on the same problems."""
+    """Held-out teacher KL on the held-out prompts of the exact prompts version trained on; with gold answers
+    (an rl_problems table) also the student's greedy task accuracy and the teachers' own accuracy."""
     config, manifest = inputs.config, inputs.manifest
     if inputs.tinker is None:
         raise dg.Failure("distill_eval_report needs the tinker resource to score with the teachers")
-    problems = problems_from_table(inputs.tables[PROBLEMS_ASSET], split=HELDOUT_SPLIT, limit=config.max_problems or None)
-    if not problems:
-        raise dg.Failure(f"the {PROBLEMS_ASSET} version {manifest.partition} was trained on has no held-out problems")
-    tasks = {row["row_id"]: row["task"] for row in inputs.tables[PROBLEMS_ASSET].select(["row_id", "task"]).to_pylist()}
-    env = manifest.related.get("env", {}).get("name", TABLE_ENV)
-    routed = [RoutedProblem(problem, tasks.get(problem.row_id) or env) for problem in problems]
+    prompts_asset = manifest.related.get("prompts", {}).get("asset", PROBLEMS_ASSET)
+    table = prompts_table(inputs.tables[prompts_asset])
+    heldout = rl_problems_from_table(table, HELDOUT_SPLIT)[: config.max_problems or None]
+    if not heldout:
+        raise dg.Failure(f"the {prompts_asset} version {manifest.partition} was trained on has no held-out prompts")
+    problems = [TaskProblem(p.question, p.answer, row_id=p.row_id, scorer=p.scorer or None, scorer_metadata=p.scorer_metadata) for p in heldout]
+    routed = [RoutedProblem(problem, row.task or TABLE_ENV) for problem, row in zip(problems, heldout)]
     routing = routing_from_lineage(manifest.related.get("teachers", []))
     renderer = get_renderer(manifest.renderer or "chatml", inputs.tokenizer)
     service = inputs.tinker.get_client
     sampling = {"max_tokens": config.max_tokens, "seed": config.seed}
-    return [
-        AccuracyEvaluator(renderer, problems, prefix="", **sampling),
-        TeacherKLEvaluator(renderer, routed, routing, service, **sampling),
-        TeacherAccuracyEvaluator(renderer, routed, routing, service, **sampling),
-    ]
+    evaluators: list = [TeacherKLEvaluator(renderer, routed, routing, service, **sampling)]
+    if has_gold_answers(table):
+        evaluators += [AccuracyEvaluator(renderer, problems, prefix="", **sampling),
+                       TeacherAccuracyEvaluator(renderer, routed, routing, service, **sampling)]
+    return evaluators
 
 
-DISTILL_EVAL = EvalSpec(training=DISTILL, data_assets=(PROBLEMS_ASSET,), evaluators=distill_evaluators, score_metric="accuracy")
+DISTILL_EVAL = EvalSpec(training=DISTILL, data_assets=PROMPT_ASSETS, evaluators=distill_evaluators, score_metric="teacher_kl")
 distill_eval_report = build_eval_asset(DISTILL_EVAL)
 
 
@@ -267,6 +281,7 @@ PROMPT_DISTILL = TrainingSpec(
     ins={RESPONSES_ASSET: dg.AssetIn()},
     build=build_prompt_distill,
     defaults={"learning_rate": 5e-4, "lora_rank": 16},
+    parent_assets=STUDENT_PARENTS,
     description="Prompt distillation: LoRA SFT of the student on teacher_responses (no system prompt); every saved "
     "checkpoint becomes a `prompt_distill_checkpoints` partition.",
 )

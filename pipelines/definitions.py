@@ -19,12 +19,12 @@ import dagster as dg
 from assets.code_rl import CODE_RL_EVAL, code_rl_checkpoint, code_rl_checkpoints, code_rl_eval_report
 from assets.data_assets import DATA_ASSETS
 from assets.distill import DISTILL_ASSETS, DISTILL_DATA_ASSETS, DISTILL_EVAL, PROMPT_DISTILL_DATA_ASSETS, PROMPT_DISTILL_EVAL
-from assets.dpo import DPO_ASSETS, DPO_DATA_ASSETS, DPO_EVAL
+from assets.dpo import DPO_ASSETS, DPO_DATA_ASSETS, DPO_EVAL, DPO_OFFLINE_DATA_ASSETS, DPO_OFFLINE_DEFAULTS
 from assets.rl import RL_EVAL, rl_checkpoint, rl_checkpoints, rl_eval_report
 from assets.rollouts import rollout_batches
 from assets.sft import SFT_EVAL, sft_checkpoint, sft_checkpoints, sft_eval_report
 from pipelines.benchmarks import benchmark_definitions
-from pipelines.recipes import build_recipe_jobs
+from pipelines.recipes import ChainVariant, build_recipe_jobs
 from resources.mlflow import MlflowResource
 from resources.parquet_io import ParquetIOManager
 from resources.state import state_subdir
@@ -75,7 +75,11 @@ def build_definitions(resources: dict) -> dg.Definitions:
         build_recipe_jobs(CODE_RL_EVAL, CODE_RL_DATA_ASSETS),
         build_recipe_jobs(DISTILL_EVAL, DISTILL_DATA_ASSETS),
         build_recipe_jobs(PROMPT_DISTILL_EVAL, PROMPT_DISTILL_DATA_ASSETS),
-        build_recipe_jobs(DPO_EVAL, DPO_DATA_ASSETS),
+        build_recipe_jobs(DPO_EVAL, DPO_DATA_ASSETS, variants=[
+            ChainVariant("offline", DPO_OFFLINE_DATA_ASSETS, DPO_OFFLINE_DEFAULTS,
+                         "offline comparisons (preference_comparisons: HH-RLHF, UltraFeedback, a file) → pairs → reference "
+                         "logprobs of the base model → DPO from the base model, in one run"),
+        ]),
     ]
     recipe_definitions = dg.Definitions(
         assets=[*DATA_ASSETS, sft_checkpoint, sft_checkpoints, sft_eval_report,

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import dagster as dg
+import pyarrow.parquet as pq
 
 from assets.checkpoint_manifest import CheckpointManifest, all_manifests
-from resources.state import ensure_dagster_home, state_dir
+from resources.state import ensure_dagster_home, state_dir, state_subdir
 
 QUIET = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}  # no DEBUG event lines on the terminal
 # Two-number addition ("Calculate 43 + 12."): the base 135M model gets few right, and a few minutes of
@@ -25,7 +26,11 @@ DEMO_SOURCE = (
     "reasoning_gym:basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=2&operators=+"
     "&allow_parentheses=false&allow_negation=false"
 )
-DEMO_DATA = {"source": DEMO_SOURCE, "limit": 600, "heldout_fraction": 0.1}
+# 1000 problems, a quarter held out by prompt hash: ~250 held-out problems, enough to tell a real change of a
+# few points from noise (the reports' paired standard errors say how much).
+DEMO_DATA = {"source": DEMO_SOURCE, "limit": 1000, "heldout_fraction": 0.25}
+# Every report scores all held-out items (the EvalConfig defaults cap them for quick launches).
+DEMO_EVAL = {"max_problems": 0, "max_heldout_sequences": 0, "max_tokens": 16, "pass_k": 4}
 # Sized for "a few minutes on 2 CPU cores" with SmolLM2-135M: 40 steps of 8 conversations, two checkpoints.
 DEMO_TRAINING = {"learning_rate": 1e-3, "batch_size": 8, "max_steps": 40, "save_every": 20, "lora_rank": 16}
 
@@ -34,7 +39,7 @@ DEMO_TRAINING = {"learning_rate": 1e-3, "batch_size": 8, "max_steps": 40, "save_
 class DemoStage:
     recipe: str
     run_config: dict[str, Any]  # the ops config of `<recipe>_chain`
-    summary: Callable[[dict[str, Any]], str] = lambda report: ""  # extra per-checkpoint text
+    eval_config: dict[str, Any] = field(default_factory=lambda: dict(DEMO_EVAL))  # `<recipe>_eval_report`'s config
 
     @property
     def chain_job(self) -> str:
@@ -100,11 +105,11 @@ def run_stage(defs: dg.Definitions, instance: dg.DagsterInstance, stage: DemoSta
     result = StageResult(stage, chain.run_id, checkpoints)
     eval_job = defs.resolve_job_def(f"{stage.recipe}_eval")
     for manifest in checkpoints if evaluate_all else checkpoints[-1:]:
-        run = eval_job.execute_in_process(instance=instance, partition_key=manifest.partition, run_config=QUIET)
-        (materialization,) = [
-            m for m in run.asset_materializations_for_node(f"{stage.recipe}_eval_report") if m.asset_key.path[-1].endswith("eval_report")
-        ]
-        result.reports[manifest.partition] = {k: getattr(v, "value", v) for k, v in materialization.metadata.items()}
+        eval_ops = {"ops": {f"{stage.recipe}_eval_report": {"config": stage.eval_config}}}
+        run = eval_job.execute_in_process(instance=instance, partition_key=manifest.partition, run_config={**QUIET, **eval_ops})
+        if not run.success:
+            raise RuntimeError(f"{stage.recipe}_eval of {manifest.partition} failed (run {run.run_id}); see `make ui`")
+        result.reports[manifest.partition] = read_report(f"{stage.recipe}_eval_report", manifest.partition)
     result.seconds = time.monotonic() - started
     return result
 
@@ -126,26 +131,45 @@ def run_demo(
     return DemoResult(results, time.monotonic() - started)
 
 
-def _cell(report: dict[str, Any], role: str, metric: str) -> str:
-    value = report.get(f"{role}_{metric}")
+SHOWN_METRICS = ("accuracy", "reward", "pass@1", "pass@4", "pair_accuracy", "margin", "win_rate", "nll", "bpb", "teacher_kl", "agreement")
+
+
+def read_report(asset: str, partition: str) -> dict[str, dict[str, Any]]:
+    """An eval report's rows by metric, from the parquet file the IO manager wrote for the partition."""
+    table = pq.read_table(state_subdir("parquet") / asset / f"{partition}.parquet")
+    return {row["metric"]: row for row in table.to_pylist()}
+
+
+def _cell(value: float | None) -> str:
     return "–" if value is None else f"{value:.3f}"
+
+
+def _delta(row: dict[str, Any]) -> str:
+    against = "parent" if row["delta_parent"] is not None else "base"
+    delta, stderr = row[f"delta_{against}"], row[f"delta_{against}_stderr"]
+    if delta is None:
+        return ""
+    mark = {"better": " ▲", "worse": " ▼"}.get(row[f"vs_{against}"], "")
+    return f"{delta:+.3f} ± {stderr:.3f}{mark} vs {against}"
 
 
 def format_stage(result: StageResult) -> str:
     lines = [f"== {result.stage.recipe}: {result.seconds:.0f} s, training run {result.chain_run_id}"]
     if result.checkpoints:
         lines.append(f"   MLflow run: {result.checkpoints[-1].mlflow_run_url}")
-    lines.append(f"   {'checkpoint':<30} {'step':>4}  {'metric':<14} {'base':>7} {'parent':>7} {'ckpt':>7}")
+    lines.append(f"   {'checkpoint':<30} {'step':>4}  {'metric':<14} {'n':>4} {'base':>7} {'parent':>7} {'ckpt':>7}  Δ ± s.e.")
     for manifest in result.checkpoints:
         report = result.reports.get(manifest.partition)
         if report is None:
             lines.append(f"   {manifest.partition:<30} {manifest.step:>4}  (not evaluated)")
             continue
-        metrics = sorted(k[len("checkpoint_"):] for k in report if k.startswith("checkpoint_") and isinstance(report[k], float))
-        shown = [m for m in ("accuracy", "pass@1", "pass@4", "pair_accuracy", "win_rate", "nll", "bpb", "teacher_kl") if m in metrics]
+        shown = [metric for metric in SHOWN_METRICS if metric in report]
         for index, metric in enumerate(shown):
+            row = report[metric]
             head = f"{manifest.partition:<30} {manifest.step:>4}" if index == 0 else " " * 35
-            lines.append(f"   {head}  {metric:<14} {_cell(report, 'base', metric):>7} {_cell(report, 'parent', metric):>7} {_cell(report, 'checkpoint', metric):>7}")
+            lines.append(
+                f"   {head}  {metric:<14} {row['n']:>4} {_cell(row['base']):>7} {_cell(row['parent']):>7} {_cell(row['checkpoint']):>7}  {_delta(row)}"
+            )
     return "\n".join(lines)
 
 

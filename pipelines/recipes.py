@@ -14,7 +14,7 @@ not exist until training has run, so automation (or `python -m pipelines demo`) 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import dagster as dg
@@ -41,10 +41,22 @@ class RecipeJobs:
     evaluate: dg.UnresolvedAssetJobDefinition
     chain: dg.UnresolvedAssetJobDefinition
     schedule: dg.ScheduleDefinition
+    variant_chains: tuple[dg.UnresolvedAssetJobDefinition, ...] = ()
 
     @property
     def jobs(self) -> list[dg.UnresolvedAssetJobDefinition]:
-        return [self.data, self.train, self.evaluate, self.chain]
+        return [self.data, self.train, self.evaluate, self.chain, *self.variant_chains]
+
+
+@dataclass(frozen=True)
+class ChainVariant:
+    """Another whole-chain job of a recipe: other data assets, and the op config defaults that pick them
+    (e.g. DPO on offline pairs: ``dpo_offline_chain``). Its defaults show in the launchpad and can be edited."""
+
+    name: str
+    data_assets: Sequence[str]
+    op_defaults: Mapping[str, Mapping[str, object]]
+    description: str
 
 
 def build_recipe_jobs(
@@ -53,6 +65,7 @@ def build_recipe_jobs(
     reeval_cron: str = DEFAULT_REEVAL_CRON,
     reeval_newest: int = DEFAULT_REEVAL_NEWEST,
     outputs: Sequence[str] = (),
+    variants: Sequence[ChainVariant] = (),
 ) -> RecipeJobs:
     """Jobs and schedule of one recipe, named ``<recipe>_data``, ``<recipe>_train``, ``<recipe>_eval``, ``<recipe>_chain``.
 
@@ -82,11 +95,21 @@ def build_recipe_jobs(
         selection=[*data_assets, training_asset, *outputs],
         description=f"{recipe}: base model → data → training in one run; automation then evaluates each checkpoint.",
     )
+    variant_chains = tuple(
+        dg.define_asset_job(
+            f"{recipe}_{variant.name}_chain",
+            config={**IN_PROCESS_DEFAULT, "ops": {op: {"config": dict(values)} for op, values in variant.op_defaults.items()}},
+            selection=[*variant.data_assets, training_asset, *outputs],
+            description=f"{recipe}: {variant.description}",
+        )
+        for variant in variants
+    )
     return RecipeJobs(
         data=data,
         train=train,
         evaluate=evaluate,
         chain=chain,
+        variant_chains=variant_chains,
         schedule=reevaluate_newest_schedule(
             f"{recipe}_reevaluate_newest_checkpoints", evaluate, partitions, reeval_cron, reeval_newest
         ),

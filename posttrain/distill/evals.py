@@ -18,7 +18,7 @@ import tinker
 
 from posttrain.completers import ChatRenderer, SamplingSettings, TokenCompleter
 from posttrain.distill.teachers import TeacherRouting
-from posttrain.eval.accuracy import TaskProblem, evaluate_accuracy
+from posttrain.eval.accuracy import TaskProblem, evaluate_accuracy, problem_keys
 from posttrain.eval.base import EvalTarget
 
 ServiceFactory = Callable[[], tinker.ServiceClient]
@@ -58,6 +58,17 @@ class TeacherKLEvaluator:
         self.teachers = _TeacherClients(routing, service)
 
     def __call__(self, target: EvalTarget) -> dict[str, float]:
+        per_prompt = self._per_prompt(target)
+        total = sum(kl_sum for kl_sum, _ in per_prompt.values())
+        tokens = sum(count for _, count in per_prompt.values())
+        return {"teacher_kl": total / tokens if tokens else float("nan"), "teacher_kl_tokens": float(tokens)}
+
+    def score_items(self, target: EvalTarget) -> dict[str, dict[str, float]]:
+        """Per held-out prompt (keyed by its hash): the mean over the answer's tokens of lp_target − lp_teacher."""
+        return {"teacher_kl": {key: kl_sum / count for key, (kl_sum, count) in self._per_prompt(target).items()}}
+
+    def _per_prompt(self, target: EvalTarget) -> dict[str, tuple[float, int]]:
+        """Prompt key -> (Σ over sampled tokens of lp_target − lp_teacher, tokens); empty answers left out."""
         completer = TokenCompleter(target.sampling_client(), SamplingSettings(max_tokens=self.max_tokens, temperature=1.0))
         prompts = [self.renderer.build_generation_prompt(_messages(item.problem)) for item in self.problems]
         stop = self.renderer.get_stop_sequences()
@@ -68,13 +79,13 @@ class TeacherKLEvaluator:
             for item, prompt, answer in zip(self.problems, prompts, answers)
             if answer.tokens
         ]
-        kept = [(prompt, answer) for prompt, answer in zip(prompts, answers) if answer.tokens]
-        total, tokens = 0.0, 0
-        for (prompt, answer), future in zip(kept, scored):
+        keys = problem_keys([item.problem for item in self.problems])
+        kept = [(key, prompt, answer) for key, prompt, answer in zip(keys, prompts, answers) if answer.tokens]
+        found = {}
+        for (key, prompt, answer), future in zip(kept, scored):
             teacher = np.asarray(future.result()[prompt.length :], dtype=np.float64)
-            total += float((np.asarray(answer.logprobs, dtype=np.float64) - teacher).sum())
-            tokens += len(answer.tokens)
-        return {"teacher_kl": total / tokens if tokens else float("nan"), "teacher_kl_tokens": float(tokens)}
+            found[key] = (float((np.asarray(answer.logprobs, dtype=np.float64) - teacher).sum()), len(answer.tokens))
+        return found
 
 
 class TeacherAccuracyEvaluator:
@@ -82,16 +93,20 @@ class TeacherAccuracyEvaluator:
                  service: ServiceFactory, max_tokens: int = 64, seed: int = 0):
         self.renderer, self.problems, self.max_tokens, self.seed = renderer, list(problems), max_tokens, seed
         self.routing, self.teachers = routing, _TeacherClients(routing, service)
-        self._score: dict[str, float] | None = None
+        self._items: dict[str, float] | None = None
+
+    def score_items(self, target: EvalTarget) -> dict[str, dict[str, float]]:
+        """Per held-out prompt (keyed by its hash): whether its teacher answers it correctly (the same for every target)."""
+        if self._items is None:
+            keys = dict(zip((id(item) for item in self.problems), problem_keys([item.problem for item in self.problems])))
+            self._items = {}
+            for dataset in sorted({item.dataset for item in self.problems}):
+                routed = [item for item in self.problems if item.dataset == dataset]
+                teacher = EvalTarget(sampling_client=self.teachers.for_dataset(dataset))
+                result = evaluate_accuracy(teacher, self.renderer, [item.problem for item in routed], max_tokens=self.max_tokens, seed=self.seed)
+                self._items.update({keys[id(item)]: float(row.correct) for item, row in zip(routed, result.rows)})
+        return {"teacher_accuracy": dict(self._items)}
 
     def __call__(self, target: EvalTarget) -> dict[str, float]:
-        if self._score is None:
-            correct, count = 0.0, 0
-            for dataset in sorted({item.dataset for item in self.problems}):
-                problems = [item.problem for item in self.problems if item.dataset == dataset]
-                teacher = EvalTarget(sampling_client=self.teachers.for_dataset(dataset))
-                result = evaluate_accuracy(teacher, self.renderer, problems, max_tokens=self.max_tokens, seed=self.seed)
-                correct += result.accuracy * result.num_samples
-                count += result.num_samples
-            self._score = {"teacher_accuracy": correct / count if count else float("nan")}
-        return dict(self._score)
+        items = self.score_items(target)["teacher_accuracy"]
+        return {"teacher_accuracy": sum(items.values()) / len(items) if items else float("nan")}

@@ -23,7 +23,7 @@ import tinker
 from posttrain.completers import ChatRenderer, MessageCompleter, SamplingSettings, TokenCompleter
 from posttrain.datasets.problems import RLProblem
 from posttrain.datasets.schemas import HELDOUT_SPLIT
-from posttrain.eval.accuracy import TaskProblem, evaluate_accuracy
+from posttrain.eval.accuracy import TaskProblem, evaluate_accuracy, problem_keys
 from posttrain.eval.answers import answers_match, extract_answer
 from posttrain.eval.base import EvalTarget
 from posttrain.supervised.config import SupervisedConfig
@@ -103,9 +103,17 @@ class AgreementEvaluator:
             raise ValueError("AgreementEvaluator got no held-out teacher answers: materialize teacher_responses with held-out prompts")
         self.renderer, self.problems, self.max_tokens, self.seed = renderer, list(problems), max_tokens, seed
 
+    def _evaluate(self, target: EvalTarget):
+        return evaluate_accuracy(target, self.renderer, self.problems, max_tokens=self.max_tokens, seed=self.seed, grade=same_answer)
+
     def __call__(self, target: EvalTarget) -> dict[str, float]:
-        result = evaluate_accuracy(target, self.renderer, self.problems, max_tokens=self.max_tokens, seed=self.seed, grade=same_answer)
+        result = self._evaluate(target)
         return {"agreement": result.accuracy, "agreement_prompts": float(result.num_samples)}
+
+    def score_items(self, target: EvalTarget) -> dict[str, dict[str, float]]:
+        """Per held-out prompt (keyed by its hash): 1 when the greedy answer matches the teacher's."""
+        rows = self._evaluate(target).rows
+        return {"agreement": {key: float(row.correct) for key, row in zip(problem_keys(self.problems), rows)}}
 
 
 @dataclass

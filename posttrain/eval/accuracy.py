@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 from posttrain.completers import ChatRenderer, MessageCompleter, SamplingSettings, TokenCompleter
 from posttrain.eval.answers import answers_match, extract_answer
 from posttrain.eval.base import EvalTarget
+from posttrain.eval.items import unique_keys
 
 CORRECT_SCORE = 0.99
 
@@ -147,20 +148,64 @@ class AccuracyEvaluator:
 
     ``renderer`` may be a renderer name (``posttrain.renderers.get_renderer``): it is then built on first
     use over the target's tokenizer. ``sampling`` goes to :func:`evaluate_accuracy` (max_tokens, ...).
+    ``format_coef``: also report ``{prefix}reward``, the RL env's own reward of each answer
+    (``format_coef·(well_formed − 1) + score``, as ``posttrain.rl.envs.problem_env`` grades it).
     """
 
-    def __init__(self, renderer: ChatRenderer | str, problems: Sequence[TaskProblem], prefix: str = "eval/", **sampling: Any):
+    def __init__(
+        self,
+        renderer: ChatRenderer | str,
+        problems: Sequence[TaskProblem],
+        prefix: str = "eval/",
+        format_coef: float | None = None,
+        **sampling: Any,
+    ):
         self.renderer = renderer
         self.problems = list(problems)
         self.prefix = prefix
+        self.format_coef = format_coef
         self.sampling = sampling
 
-    def __call__(self, target: EvalTarget) -> dict[str, float]:
+    def _evaluate(self, target: EvalTarget) -> AccuracyResult:
         if isinstance(self.renderer, str):
             from posttrain.renderers import get_renderer
 
             self.renderer = get_renderer(self.renderer, target.tokenizer())
-        return evaluate_accuracy(target, self.renderer, self.problems, **self.sampling).metrics(self.prefix)
+        return evaluate_accuracy(target, self.renderer, self.problems, **self.sampling)
+
+    def __call__(self, target: EvalTarget) -> dict[str, float]:
+        return self._evaluate(target).metrics(self.prefix)
+
+    def score_items(self, target: EvalTarget) -> dict[str, dict[str, float]]:
+        """Per held-out problem (keyed by its prompt's hash): correct, well formed and, with ``format_coef``, reward."""
+        rows_P = per_problem(self._evaluate(target).rows, len(self.problems))
+        keys = problem_keys(self.problems)
+        scores = {
+            f"{self.prefix}accuracy": {key: _mean([r.correct for r in rows]) for key, rows in zip(keys, rows_P)},
+            f"{self.prefix}well_formed": {key: _mean([r.well_formed for r in rows]) for key, rows in zip(keys, rows_P)},
+        }
+        if self.format_coef is not None:
+            coef = self.format_coef
+            scores[f"{self.prefix}reward"] = {
+                key: _mean([coef * (float(r.well_formed and r.extracted is not None) - 1.0) + r.score for r in rows])
+                for key, rows in zip(keys, rows_P)
+            }
+        return scores
+
+
+def problem_keys(problems: Sequence[TaskProblem]) -> list[str]:
+    """Item keys of problems: the hash of what the model is asked (system prompt and question)."""
+    return unique_keys(f"{p.system or ''}\n{p.question}" for p in problems)
+
+
+def per_problem(rows: Sequence[SampleGrade], num_problems: int) -> list[list[SampleGrade]]:
+    """``evaluate_accuracy``'s rows (problem-major, equal samples per problem) grouped by problem."""
+    per = len(rows) // num_problems
+    return [list(rows[index * per : (index + 1) * per]) for index in range(num_problems)]
+
+
+def _mean(values: Sequence[float | bool]) -> float:
+    return sum(float(v) for v in values) / len(values)
 
 
 def _messages(problem: TaskProblem) -> list[dict[str, str]]:

@@ -25,6 +25,7 @@ from typing import Any
 from posttrain.completers import ChatRenderer, MessageCompleter, ParsedCompletion, SamplingSettings, TokenCompleter
 from posttrain.datasets.problems import CodeProblem
 from posttrain.eval.base import EvalTarget
+from posttrain.eval.items import unique_keys
 from posttrain.eval.pass_at_k import pass_at_k
 from posttrain.rl.code_reward import CodeGrade, submit_code_reward
 from posttrain.rl.envs.code_env import code_messages, test_output_tail
@@ -140,6 +141,24 @@ class CodePassEvaluator:
             self.renderer = get_renderer(self.renderer, target.tokenizer())
         self.last_result = evaluate_code_pass(target, self.renderer, self.problems, **self.settings)
         return self.last_result.metrics(self.prefix)
+
+    def score_items(self, target: EvalTarget) -> dict[str, dict[str, float]]:
+        """Per problem (keyed by its prompt's hash): greedy pass, sampled c/n, pass@k and code-block rate."""
+        self(target)
+        assert self.last_result is not None
+        result, prefix = self.last_result, self.prefix
+        keys = unique_keys(problem.prompt for problem in self.problems)
+        by_problem = [[s for s in result.samples if s.row_id == problem.row_id] for problem in self.problems]
+        scores = {
+            f"{prefix}accuracy": {k: _mean([s.passed for s in ss if s.greedy]) for k, ss in zip(keys, by_problem)},
+            f"{prefix}format_rate": {k: _mean([s.has_code_block for s in ss]) for k, ss in zip(keys, by_problem)},
+        }
+        if result.k > 0:
+            scores[f"{prefix}pass@1"] = {k: _mean([s.passed for s in ss if not s.greedy]) for k, ss in zip(keys, by_problem)}
+            scores[f"{prefix}pass@{result.k}"] = {
+                k: _problem_pass_at_k(result.samples, p.row_id, result.k) for k, p in zip(keys, self.problems)
+            }
+        return scores
 
 
 def _sample(problem: CodeProblem, is_greedy: bool, completion: ParsedCompletion, grade: CodeGrade) -> CodeSample:

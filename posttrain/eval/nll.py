@@ -142,15 +142,39 @@ def evaluate_nll(
 
 
 class NllEvaluator:
-    """An :class:`~posttrain.eval.base.Evaluator` reporting ``{prefix}nll`` and ``{prefix}bpb``."""
+    """An :class:`~posttrain.eval.base.Evaluator` reporting ``{prefix}nll`` and ``{prefix}bpb``.
 
-    def __init__(self, data: Sequence[tinker.Datum], tokenizer: Any | None = None, prefix: str = "eval/", batch_size: int = 16):
+    ``keys``: one item key per datum (e.g. the held-out rows' ids) for :meth:`score_items`; default the position.
+    """
+
+    def __init__(
+        self,
+        data: Sequence[tinker.Datum],
+        tokenizer: Any | None = None,
+        prefix: str = "eval/",
+        batch_size: int = 16,
+        keys: Sequence[str] | None = None,
+    ):
         self.data = list(data)
         self.tokenizer = tokenizer
         self.prefix = prefix
         self.batch_size = batch_size
+        self.keys = list(keys) if keys is not None else [str(index) for index in range(len(self.data))]
+        if len(self.keys) != len(self.data):
+            raise ValueError(f"NllEvaluator: {len(self.keys)} keys for {len(self.data)} data; pass one key per datum")
 
-    def __call__(self, target: EvalTarget) -> dict[str, float]:
+    def _evaluate(self, target: EvalTarget) -> NllResult:
         if self.tokenizer is None:
             self.tokenizer = target.tokenizer()  # resolved once, reused at every evaluation
-        return evaluate_nll(target, self.data, self.tokenizer, self.batch_size).metrics(self.prefix)
+        return evaluate_nll(target, self.data, self.tokenizer, self.batch_size)
+
+    def __call__(self, target: EvalTarget) -> dict[str, float]:
+        return self._evaluate(target).metrics(self.prefix)
+
+    def score_items(self, target: EvalTarget) -> dict[str, dict[str, float]]:
+        """Per held-out sequence: its NLL per trained token and its bits per byte (sequences without content bytes skip bpb)."""
+        examples = self._evaluate(target).examples
+        return {
+            f"{self.prefix}nll": {k: e.nll_sum / e.num_tokens for k, e in zip(self.keys, examples) if e.num_tokens},
+            f"{self.prefix}bpb": {k: e.content_nll_sum / math.log(2) / e.num_bytes for k, e in zip(self.keys, examples) if e.num_bytes},
+        }

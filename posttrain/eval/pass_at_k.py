@@ -12,8 +12,9 @@ from math import comb
 from typing import Any, Sequence
 
 from posttrain.completers import ChatRenderer
-from posttrain.eval.accuracy import TaskProblem, evaluate_accuracy
+from posttrain.eval.accuracy import TaskProblem, evaluate_accuracy, per_problem, problem_keys
 from posttrain.eval.base import EvalTarget
+from posttrain.eval.items import mean_metrics
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -58,14 +59,19 @@ class PassAtKEvaluator:
         self.sampling = {"temperature": temperature, "top_k": -1, **sampling}
 
     def __call__(self, target: EvalTarget) -> dict[str, float]:
+        return mean_metrics(self.score_items(target))
+
+    def score_items(self, target: EvalTarget) -> dict[str, dict[str, float]]:
+        """Per problem (keyed by its prompt's hash): c/n as ``pass@1`` and the unbiased ``pass@k``."""
         if isinstance(self.renderer, str):
             from posttrain.renderers import get_renderer
 
             self.renderer = get_renderer(self.renderer, target.tokenizer())
         result = evaluate_accuracy(target, self.renderer, self.problems, num_samples=self.num_samples, **self.sampling)
         n = self.num_samples
-        correct_P = [sum(row.correct for row in result.rows[index * n : (index + 1) * n]) for index in range(len(self.problems))]
-        metrics = {f"{self.prefix}pass@1": sum(correct_P) / (n * len(correct_P))}
+        correct_P = [sum(row.correct for row in rows) for rows in per_problem(result.rows, len(self.problems))]
+        keys = problem_keys(self.problems)
+        scores = {f"{self.prefix}pass@1": {key: c / n for key, c in zip(keys, correct_P)}}
         if self.k > 1:
-            metrics[f"{self.prefix}pass@{self.k}"] = sum(pass_at_k(n, c, self.k) for c in correct_P) / len(correct_P)
-        return metrics
+            scores[f"{self.prefix}pass@{self.k}"] = {key: pass_at_k(n, c, self.k) for key, c in zip(keys, correct_P)}
+        return scores

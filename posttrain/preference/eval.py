@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from posttrain.eval.accuracy import AccuracyResult, ChatRenderer, TaskProblem, evaluate_accuracy
+from posttrain.eval.accuracy import AccuracyResult, ChatRenderer, TaskProblem, evaluate_accuracy, problem_keys
 from posttrain.eval.base import EvalTarget
 from posttrain.eval.nll import target_logprobs
 from posttrain.preference.data import Pair
@@ -53,17 +53,21 @@ class PairAccuracyEvaluator:
             self.reference.check_covers([pair.row_id for pair in self.pairs])
         return self.reference
 
-    def __call__(self, target: EvalTarget) -> dict[str, float]:
-        reference = self._load_reference()
+    def _policy_sums(self, target: EvalTarget) -> tuple[list[float], list[float]]:
         data = [datum for pair in self.pairs for datum in (pair.chosen.datum(), pair.rejected.datum())]
         scored = target_logprobs(target, data)
         sums = [
             float(np.dot(logprobs, np.asarray(side.weights, dtype=np.float64)))
             for logprobs, side in zip(scored, (side for pair in self.pairs for side in (pair.chosen, pair.rejected)))
         ]
+        return sums[0::2], sums[1::2]
+
+    def __call__(self, target: EvalTarget) -> dict[str, float]:
+        reference = self._load_reference()
+        chosen, rejected = self._policy_sums(target)
         chosen_ref, rejected_ref = reference.for_rows([pair.row_id for pair in self.pairs])
         _, metrics = dpo_loss(
-            torch.tensor(sums[0::2], dtype=torch.float64), torch.tensor(sums[1::2], dtype=torch.float64),
+            torch.tensor(chosen, dtype=torch.float64), torch.tensor(rejected, dtype=torch.float64),
             torch.tensor(chosen_ref, dtype=torch.float64), torch.tensor(rejected_ref, dtype=torch.float64), self.beta,
         )
         return {
@@ -71,6 +75,20 @@ class PairAccuracyEvaluator:
             f"{self.prefix}dpo_loss": metrics["dpo_loss"],
             f"{self.prefix}margin": metrics["margin"],
             f"{self.prefix}num_pairs": float(len(self.pairs)),
+        }
+
+    def score_items(self, target: EvalTarget) -> dict[str, dict[str, float]]:
+        """Per held-out pair (keyed by its row id), under the DPO implicit reward r = β·(lp − lp_ref):
+        ``pair_accuracy`` (r_chosen > r_rejected), ``margin`` (r_chosen − r_rejected) and ``dpo_loss``."""
+        reference = self._load_reference()
+        chosen, rejected = self._policy_sums(target)
+        chosen_ref, rejected_ref = reference.for_rows([pair.row_id for pair in self.pairs])
+        margins = [self.beta * ((c - cr) - (r - rr)) for c, r, cr, rr in zip(chosen, rejected, chosen_ref, rejected_ref)]
+        keys = [pair.row_id for pair in self.pairs]  # pairs carry tokens, not prompt text; row ids are stable per version
+        return {
+            f"{self.prefix}pair_accuracy": {k: float(m > 0) for k, m in zip(keys, margins)},
+            f"{self.prefix}margin": dict(zip(keys, margins)),
+            f"{self.prefix}dpo_loss": {k: float(np.logaddexp(0.0, -m)) for k, m in zip(keys, margins)},
         }
 
 
@@ -179,4 +197,15 @@ class WinRateEvaluator:
             f"{self.prefix}accuracy": result.accuracy_a,
             f"{self.prefix}win_rate": result.win_rate,
             f"{self.prefix}win_rate_se": result.stderr,
+        }
+
+    def score_items(self, target: EvalTarget) -> dict[str, dict[str, float]]:
+        """Per problem (keyed by its prompt's hash): the target's greedy correctness and its win (1 / ½ / 0)."""
+        if self._opponent_grades is None:
+            self._opponent_grades = evaluate_accuracy(self.opponent(), self.renderer, self.problems, **self.sampling)
+        result = win_rate_of(evaluate_accuracy(target, self.renderer, self.problems, **self.sampling), self._opponent_grades)
+        keys = problem_keys(self.problems)
+        return {
+            f"{self.prefix}accuracy": {k: float(row["correct_a"]) for k, row in zip(keys, result.rows)},
+            f"{self.prefix}win_rate": {k: row["score"] for k, row in zip(keys, result.rows)},
         }

@@ -25,8 +25,10 @@ class RLConfig:
     # What to train on (posttrain.rl.envs.build_rl_dataset)
     env: str = documented(
         "arithmetic",
-        "Environment: 'problems' (the rl_problems table's train split, graded by each row's scorer), 'arithmetic', "
-        "'guess_number' (multi-turn), 'gsm8k' or 'reasoning_gym:<task>[,<task>...]'.",
+        "Environment: 'problems' = the rows of the rl_problems table (train split), each played by its env: a "
+        "single-turn problem graded by its scorer, or a generated env's instance (arithmetic, guess_number secrets); "
+        "pick the env and source in rl_problems' config. Training assets accept only 'problems'; library scripts may "
+        "also generate 'arithmetic' / 'guess_number' or load 'gsm8k' / 'reasoning_gym:<task>' themselves.",
     )
     env_options: dict[str, Any] = field(
         default_factory=dict,

@@ -44,12 +44,14 @@ def test_problems_env_trains_on_the_train_split_and_writes_rollouts_under_the_lo
     assert run.recipe.num_steps() == len(train_rows) // 2
     assert run.recipe.identity()["dataset"]["num_problems"] == len(train_rows)
     assert [Path(sink.path) for sink in run.row_sinks] == [tmp_path / "run" / "rollouts.jsonl"]
-    assert run.renderer == "chatml" and run.related["env"] == {"name": "problems", "options": {}, "problems_table": True}
+    assert run.renderer == "chatml"
+    assert run.related["env"] == {"name": "problems", "options": {}, "problems_table": True, "format_coef": 0.1}
 
 
-def test_generated_envs_ignore_the_table(tmp_path, problems_table):
-    run = build_rl(_inputs(tmp_path, problems_table, env="arithmetic", num_batches=5))
-    assert run.recipe.num_steps() == 5 and run.related["env"]["problems_table"] is False
+@pytest.mark.parametrize("env", ["gsm8k", "arithmetic", "guess_number", "reasoning_gym:chain_sum"])
+def test_envs_that_would_load_or_generate_examples_on_the_side_are_refused(tmp_path, problems_table, env):
+    with pytest.raises(dg.Failure, match=r"on the side.*rl_problems source=.*env='problems'"):
+        build_rl(_inputs(tmp_path, problems_table, env=env))
 
 
 @pytest.mark.parametrize(

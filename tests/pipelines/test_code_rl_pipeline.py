@@ -104,8 +104,8 @@ def test_eval_report_scores_held_out_tasks_and_humaneval_against_the_base(code_r
     assert set(scored) <= set(rows)
     for metric in scored:
         assert 0.0 <= rows[metric]["checkpoint"] <= 1.0 and rows[metric]["base"] is not None and rows[metric]["parent"] is None
-        assert rows[metric]["vs_base"] in {"better", "worse", "equal"}  # suite-prefixed names are scored too
-    assert rows["num_problems"]["checkpoint"] == 2 and rows["humaneval/num_problems"]["checkpoint"] == 2
+        assert rows[metric]["vs_base"] in {"better", "worse", "equal", "within noise"}  # suite-prefixed names are scored too
+        assert rows[metric]["n"] == 2  # per held-out problem (max_problems)
     metadata = _metadata(result, "code_rl_eval_report")
     assert metadata["checkpoint"] == partition and "| humaneval/pass@1 |" in metadata["report"]
 

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dagster as dg
+
 from assets.code_rl import CODE_RL
 from assets.distill import DISTILL, PROMPT_DISTILL
 from assets.dpo import DPO
@@ -34,23 +36,31 @@ ASSET_GRAPH = {
     "sft_checkpoint": (["base_model", "rendered_tokens"], "training", ["mlflow", "tinker"], None, []),
     "sft_checkpoints": (["sft_checkpoint"], "training", ["tinker"], "sft_checkpoints", []),
     "sft_eval_report": (["sft_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "sft_checkpoints", ["improves_on_base"]),
-    "rl_checkpoint": (["base_model", "rl_problems", "sft_checkpoint"], "training", ["mlflow", "tinker"], None, []),
+    "rl_checkpoint": (["base_model", "dpo_checkpoint", "rl_problems", "sft_checkpoint"], "training", ["mlflow", "tinker"], None, []),
     "rl_checkpoints": (["rl_checkpoint"], "training", ["tinker"], "rl_checkpoints", []),
     "rl_eval_report": (["rl_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "rl_checkpoints", ["improves_on_base"]),
     "rollout_batches": (["rl_checkpoint"], "training", ["mlflow", "parquet"], None, []),
-    "distill_checkpoint": (["base_model", "rl_checkpoint", "rl_problems", "sft_checkpoint"], "training", ["mlflow", "tinker"], None, []),
+    "distill_checkpoint": (
+        ["base_model", "chat_dataset", "dpo_checkpoint", "preference_comparisons", "rl_checkpoint", "rl_problems", "sft_checkpoint"],
+        "training", ["mlflow", "tinker"], None, [],
+    ),
     "distill_checkpoints": (["distill_checkpoint"], "training", ["tinker"], "distill_checkpoints", []),
     "distill_eval_report": (["distill_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "distill_checkpoints", ["improves_on_base"]),
     "teacher_responses": (
         ["base_model", "rl_checkpoint", "rl_problems", "sft_checkpoint"], "data", ["parquet", "tinker"], None,
         ["answers_not_empty", "has_assistant_turns", "schema_valid"],
     ),
-    "prompt_distill_checkpoint": (["base_model", "teacher_responses"], "training", ["mlflow", "tinker"], None, []),
+    "prompt_distill_checkpoint": (
+        ["base_model", "dpo_checkpoint", "rl_checkpoint", "sft_checkpoint", "teacher_responses"], "training", ["mlflow", "tinker"], None, []
+    ),
     "prompt_distill_checkpoints": (["prompt_distill_checkpoint"], "training", ["tinker"], "prompt_distill_checkpoints", []),
     "prompt_distill_eval_report": (
         ["prompt_distill_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "prompt_distill_checkpoints", ["improves_on_base"]
     ),
-    "code_rl_checkpoint": (["base_model", "code_problems", "sft_checkpoint"], "training", ["mlflow", "tinker"], None, []),
+    "code_rl_checkpoint": (
+        ["base_model", "code_problems", "distill_checkpoint", "dpo_checkpoint", "prompt_distill_checkpoint", "rl_checkpoint", "sft_checkpoint"],
+        "training", ["mlflow", "tinker"], None, [],
+    ),
     "code_rl_checkpoints": (["code_rl_checkpoint"], "training", ["tinker"], "code_rl_checkpoints", []),
     "code_rl_eval_report": (
         ["code_rl_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "code_rl_checkpoints", ["improves_on_base"]
@@ -66,7 +76,7 @@ ASSET_GRAPH = {
         ["base_model", "onpolicy_pairs", "preference_pairs", "sft_checkpoint"], "data", ["parquet", "tinker"], None, ["finite", "schema_valid"]
     ),
     "dpo_checkpoint": (
-        ["base_model", "onpolicy_pairs", "preference_pairs", "reference_logprobs", "rl_problems", "sft_checkpoint"], "training",
+        ["base_model", "onpolicy_pairs", "preference_pairs", "reference_logprobs", "sft_checkpoint"], "training",
         ["mlflow", "tinker"], None, [],
     ),
     "dpo_checkpoints": (["dpo_checkpoint"], "training", ["tinker"], "dpo_checkpoints", []),
@@ -89,6 +99,20 @@ def test_asset_graph_snapshot(project_state):
             sorted(check.name for check in node.check_keys),
         )
     assert snapshot == ASSET_GRAPH
+
+
+def test_a_training_asset_has_table_edges_only_to_the_tables_it_may_read(project_state):
+    """Every data-table edge into a training asset is a table it reads: a fixed input, the launchpad's choice
+    among tables, or DPO's shared reference logprobs; other edges are checkpoints it may start from or learn from."""
+    graph = build_definitions(tiny_resources(project_state)).resolve_asset_graph()
+    for spec in TRAINING_SPECS:
+        parents = {key.to_user_string() for key in graph.get(dg.AssetKey(spec.asset_name)).parent_keys}
+        tables = {name for name in parents if not name.endswith("_checkpoint") and name != "base_model"}
+        readable = set(spec.ins) | set(spec.input_choice[1] if spec.input_choice else ()) | (set(spec.extra_deps) - {
+            name for name in spec.extra_deps if name.endswith("_checkpoint")})
+        assert tables == readable, spec.recipe
+        assert set(spec.parent_assets) <= parents, spec.recipe
+    assert "rl_problems" not in {k.to_user_string() for k in graph.get(dg.AssetKey("dpo_checkpoint")).parent_keys}
 
 
 def test_jobs_cover_each_stage_and_the_whole_chain(project_state):

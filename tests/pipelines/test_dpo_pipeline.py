@@ -189,19 +189,25 @@ def test_reference_logprobs_rematerialized_with_the_same_inputs_are_cached(dpo_r
     assert versions[0] == versions[1]
 
 
-def test_dpo_eval_report_scores_pair_accuracy_accuracy_and_win_rate_against_the_parent(dpo_run):
+def _report_rows(state, partition):
+    return {row["metric"]: row for row in pq.read_table(state / "parquet" / "dpo_eval_report" / f"{partition}.parquet").to_pylist()}
+
+
+def test_dpo_eval_report_scores_the_held_out_pairs_it_trained_on_under_the_implicit_reward(dpo_run):
     assert dpo_run.evaluation.success
     partition = dpo_run.requested[-1]
-    rows = {row["metric"]: row for row in pq.read_table(dpo_run.state / "parquet" / "dpo_eval_report" / f"{partition}.parquet").to_pylist()}
-    assert {"pair_accuracy", "accuracy", "win_rate", "win_rate_se", "dpo_loss"} <= set(rows)
-    for metric in ("pair_accuracy", "win_rate", "accuracy"):
-        assert 0.0 <= rows[metric]["checkpoint"] <= 1.0 and rows[metric]["parent"] is not None and rows[metric]["base"] is not None
-    assert rows["win_rate"]["parent"] == 0.5  # the parent against itself: all ties
+    rows = _report_rows(dpo_run.state, partition)
+    assert set(rows) == {"pair_accuracy", "margin", "dpo_loss"}  # about the pairs, not about another task
+    heldout = [r for r in pq.read_table(dpo_run.state / "parquet" / "onpolicy_pairs.parquet").to_pylist() if r["split"] == "heldout"]
+    for row in rows.values():
+        assert row["n"] == min(len(heldout), EVAL["max_heldout_sequences"]) and row["parent"] is not None and row["base"] is not None
+    assert 0.0 <= rows["pair_accuracy"]["checkpoint"] <= 1.0
     # The parent is the reference: its margins are 0 up to sampler/trainer float noise (~1e-6), so its pair
     # accuracy is a coin toss on that noise and only its margin is meaningful.
     assert abs(rows["margin"]["parent"]) < 1e-3
-    report = _metadata(dpo_run.evaluation, "dpo_eval_report")["report"]
-    assert "| pair_accuracy |" in report and "| win_rate |" in report
+    metadata = _metadata(dpo_run.evaluation, "dpo_eval_report")
+    assert "| pair_accuracy |" in metadata["report"] and metadata["score_metric"] == "pair_accuracy"
+    assert set(metadata["data_versions"]) == {"onpolicy_pairs"}
 
 
 def test_lineage_of_a_dpo_checkpoint_reaches_the_pairs_sampler_and_the_base_model(dpo_run):
@@ -250,3 +256,44 @@ def test_bad_pairs_fail_with_a_clear_message_and_store_nothing(dpo_run, tmp_path
     assert not training.success
     assert "'preference_pairs' has never been materialized" in training.failure_data_for_node("dpo_checkpoint").user_failure_data.description
     assert dpo_run.instance.get_dynamic_partitions("dpo_checkpoints") == before
+
+
+HH_RLHF_ROWS = [  # the real HH-RLHF schema: two whole transcripts that share their prompt
+    {"chosen": f"\n\nHuman: What is {i} + 1?\n\nAssistant: It is {i + 1}.", "rejected": f"\n\nHuman: What is {i} + 1?\n\nAssistant: It is {i + 7}."}
+    for i in range(24)
+]
+
+
+def test_dpo_on_offline_pairs_trains_and_is_evaluated_on_those_pairs(dpo_run, tmp_path):
+    """`dpo_offline_chain`: HH-RLHF-shaped comparisons → pairs → reference (base) → DPO from the base model;
+    its eval scores the held-out pairs of that pairs version, and its lineage names the comparisons."""
+    path = tmp_path / "hh_rlhf.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in HH_RLHF_ROWS))
+    config = {"ops": {
+        "preference_comparisons": {"config": {"source": "hh_rlhf", "path": str(path), "heldout_fraction": 0.4}},
+        "reference_logprobs": {"config": {"reference": ""}},  # pairs left at onpolicy_pairs: refused, not read stale
+        "dpo_checkpoint": {"config": {**DPO_TRAINING, "beta": 0.1, "init_from": ""}},
+    }}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in dpo_run.env.items():
+            patch.setenv(name, value)
+        job = dpo_run.defs.resolve_job_def("dpo_offline_chain")
+        refused = job.execute_in_process(instance=dpo_run.instance, run_config=config, raise_on_error=False)
+        failure = refused.failure_data_for_node("reference_logprobs").user_failure_data.description
+        assert "materializes preference_pairs, but pairs='onpolicy_pairs' would read an older onpolicy_pairs" in failure
+        config["ops"]["reference_logprobs"]["config"]["pairs"] = "preference_pairs"
+        config["ops"]["dpo_checkpoint"]["config"]["pairs"] = "preference_pairs"
+        chain = job.execute_in_process(instance=dpo_run.instance, run_config=config)
+        final = _manifests("dpo", chain.run_id)[-1]
+        evaluation = dpo_run.defs.resolve_job_def("dpo_eval").execute_in_process(
+            instance=dpo_run.instance, partition_key=final.partition, run_config={"ops": {"dpo_eval_report": {"config": EVAL}}}
+        )
+    assert final.related["pairs"]["asset"] == "preference_pairs" and final.parent_partition is None
+    assert {"preference_pairs", "preference_comparisons"} <= set(final.upstream) and "rl_problems" not in final.upstream
+    assert final.upstream["preference_comparisons"]["metadata"]["source"] == "hh_rlhf"
+    rows = _report_rows(dpo_run.state, final.partition)
+    assert set(rows) == {"pair_accuracy", "margin", "dpo_loss"} and rows["pair_accuracy"]["parent"] is None
+    heldout = [r for r in pq.read_table(dpo_run.state / "parquet" / "preference_pairs.parquet").to_pylist() if r["split"] == "heldout"]
+    assert rows["margin"]["n"] == min(len(heldout), EVAL["max_heldout_sequences"]) > 0
+    assert abs(rows["margin"]["base"]) < 1e-3  # the base model is this run's reference: no margin
+    assert evaluation.success

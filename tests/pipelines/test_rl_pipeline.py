@@ -88,7 +88,7 @@ def test_rl_chain_starts_from_the_latest_sft_checkpoint_and_registers_each_check
     for manifest in manifests:
         assert manifest.parent_partition == sft_manifest.partition and manifest.init_from == sft_manifest.state_path
         assert manifest.renderer == "chatml" and manifest.related["env"]["name"] == "problems"
-        assert "rl_problems" in manifest.upstream
+        assert "rl_problems" in manifest.upstream and manifest.upstream["rl_problems"]["metadata"]["source"].startswith("reasoning_gym:")
     metadata = _metadata(rl_run.rl, "rl_checkpoint")
     assert metadata["total_steps"] == 3 and metadata["init_from"].startswith(sft_manifest.partition)
     for name in ("final_reward/mean", "final_accuracy", "final_loss", "final_entropy", "final_tokens_per_second",
@@ -111,19 +111,21 @@ def test_every_rl_metric_reaches_mlflow_once_per_step(rl_run):
         assert any(path.endswith(".png") for path in artifacts)
 
 
-def test_eval_report_has_greedy_accuracy_pass_at_k_and_a_parent_column(rl_run):
+def test_eval_report_has_the_env_reward_greedy_accuracy_pass_at_k_and_a_paired_parent_column(rl_run):
     result = rl_run.evaluation
     assert result.success
     partition = rl_run.requested[-1]
     table = pq.read_table(rl_run.state / "parquet" / "rl_eval_report" / f"{partition}.parquet")
     rows = {row["metric"]: row for row in table.to_pylist()}
-    assert {"accuracy", "pass@1", "pass@2"} <= set(rows)
+    assert set(rows) == {"reward", "accuracy", "pass@1", "pass@2"}
     for metric in ("accuracy", "pass@1", "pass@2"):
         row = rows[metric]
         assert 0.0 <= row["checkpoint"] <= 1.0 and row["base"] is not None and row["parent"] is not None
+        assert row["n"] == 3 and row["delta_parent_stderr"] is not None  # max_problems held-out rows, paired
+    assert -0.1 - 1e-9 <= rows["reward"]["checkpoint"] <= 1.0  # the env's own reward: format_coef·(format − 1) + score
     assert rows["pass@2"]["checkpoint"] >= rows["pass@1"]["checkpoint"]  # more tries never find less
     metadata = _metadata(result, "rl_eval_report")
-    assert metadata["checkpoint"] == partition and "| pass@2 |" in metadata["report"] and "Δ parent" in metadata["report"]
+    assert metadata["checkpoint"] == partition and "| pass@2 |" in metadata["report"] and "Δ vs parent" in metadata["report"]
 
 
 def test_rollout_batches_are_every_sample_once_and_trace_to_sampler_weights(rl_run):
@@ -169,3 +171,25 @@ def test_lineage_prints_rl_then_sft_then_base(rl_run):
     sft_at = out.find(f"checkpoint      {final.parent_partition}  (sft,", rl_at)
     base_at = out.find("base model      localtinker/tiny-random", sft_at)
     assert 0 <= rl_at < sft_at < base_at, out
+
+
+def test_a_report_scores_the_version_trained_on_even_after_the_table_is_rematerialized_with_other_rows(rl_run):
+    partition = rl_run.requested[-1]
+    manifest = next(m for m in _rl_manifests(rl_run) if m.partition == partition)
+    trained = manifest.upstream["rl_problems"]["data_version"]
+    path = rl_run.state / "parquet" / "rl_eval_report" / f"{partition}.parquet"
+    before = {row["metric"]: row for row in pq.read_table(path).to_pylist()}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in rl_run.env.items():
+            patch.setenv(name, value)
+        other = {"ops": {"rl_problems": {"config": {"source": "arithmetic?count=40", "heldout_fraction": 0.5}}}}
+        redo = rl_run.defs.resolve_job_def("rl_data").execute_in_process(instance=rl_run.instance, run_config=other)
+        again = rl_run.defs.resolve_job_def("rl_eval").execute_in_process(
+            instance=rl_run.instance, partition_key=partition, run_config=RL_EVAL_CONFIG
+        )
+    latest = redo.asset_materializations_for_node("rl_problems")[0].tags["dagster/data_version"]
+    assert latest != trained and again.success
+    assert _metadata(again, "rl_eval_report")["data_versions"] == {"rl_problems": trained}
+    after = {row["metric"]: row for row in pq.read_table(path).to_pylist()}
+    assert {m: (r["n"], r["checkpoint"], r["base"]) for m, r in after.items()} == {
+        m: (r["n"], r["checkpoint"], r["base"]) for m, r in before.items()}  # the same held-out rows, not the new table's

@@ -63,6 +63,11 @@ def test_training_is_one_mlflow_run_with_per_step_metrics_datasets_and_model_ver
         assert version.tags["chat_dataset.data_version"] == manifest.upstream["chat_dataset"]["data_version"]
 
 
+def _report_rows(run, partition):
+    table = pq.read_table(run.state / "parquet" / "sft_eval_report" / f"{partition}.parquet")
+    return {row["metric"]: row for row in table.to_pylist()}
+
+
 def test_automation_requested_evals_produce_reports_checks_and_mlflow_runs(sft_pipeline_run):
     run = sft_pipeline_run
     partitions = run.instance.get_dynamic_partitions("sft_checkpoints")
@@ -71,33 +76,34 @@ def test_automation_requested_evals_produce_reports_checks_and_mlflow_runs(sft_p
     for partition, result in run.evals.items():
         assert result.success
         metadata = _metadata(result, "sft_eval_report")
-        assert metadata["checkpoint"] == partition
-        assert "| nll |" in metadata["report"] and "| accuracy |" in metadata["report"]
-        table = pq.read_table(run.state / "parquet" / "sft_eval_report" / f"{partition}.parquet")
-        rows = {row["metric"]: row for row in table.to_pylist()}
-        assert {"nll", "bpb", "accuracy"} <= set(rows)
-        assert rows["nll"]["checkpoint"] == metadata["checkpoint_nll"]
-        assert rows["nll"]["base"] == metadata["base_nll"]
-        assert abs(rows["nll"]["delta_base"] - (metadata["checkpoint_nll"] - metadata["base_nll"])) < 1e-9
+        assert metadata["checkpoint"] == partition and metadata["score_metric"] == "nll"
+        assert "| nll |" in metadata["report"] and "| bpb |" in metadata["report"] and "| accuracy |" not in metadata["report"]
+        assert not any(key.startswith(("checkpoint_", "base_nll", "mlflow_aliases")) for key in metadata)  # one table, no raw floats
+        rows = _report_rows(run, partition)
+        assert set(rows) == {"nll", "bpb"}
+        assert rows["nll"]["n"] == 8 and rows["nll"]["checkpoint_stderr"] > 0  # max_heldout_sequences
+        assert abs(rows["nll"]["delta_base"] - (rows["nll"]["checkpoint"] - rows["nll"]["base"])) < 1e-9  # paired on every item
         assert rows["nll"]["parent"] is None  # trained from the base model: no parent column
         (check,) = result.get_asset_check_evaluations()
         assert check.check_name == "improves_on_base" and check.severity == dg.AssetCheckSeverity.WARN
-        strictly_worse = [m for m in ("nll", "bpb") if rows[m]["delta_base"] > 0] + (["accuracy"] if rows["accuracy"]["delta_base"] < 0 else [])
-        assert check.passed == (not strictly_worse)
+        assert check.passed == (not [m for m in ("nll", "bpb") if rows[m]["vs_base"] == "worse"])
         (eval_run,) = client.search_runs(
             [run.mlflow.experiment_id(client)],
             f"tags.`{TAG_PARTITION}` = '{partition}' and tags.`{TAG_ASSET_KEY}` = 'sft_eval_report'",
         )
-        assert eval_run.data.metrics["eval/nll"] == metadata["checkpoint_nll"]
-        assert eval_run.data.metrics["base/nll"] == metadata["base_nll"]
+        assert eval_run.data.metrics["eval/nll"] == rows["nll"]["checkpoint"]
+        assert eval_run.data.metrics["eval/nll_stderr"] == rows["nll"]["checkpoint_stderr"]
+        assert eval_run.data.metrics["base/nll"] == rows["nll"]["base"]
         manifest = next(m for m in all_manifests() if m.partition == partition)
         assert metadata["sampler_path"] == manifest.sampler_path  # its own checkpoint, looked up by partition
         version = client.get_model_version(manifest.registered_model, manifest.model_version)
-        assert float(version.tags["eval.nll"]) == float(f"{metadata['checkpoint_nll']:.6g}")
+        assert float(version.tags["eval.nll"]) == float(f"{rows['nll']['checkpoint']:.6g}")
+    nll = {p: _report_rows(run, p)["nll"]["checkpoint"] for p in run.evals}
+    assert float(client.get_model_version_by_alias("sft", "best").tags["eval.nll"]) == float(f"{min(nll.values()):.6g}")
 
 
 def test_training_lowers_held_out_nll_of_the_tiny_model(sft_pipeline_run):
     """Six steps at lr 1e-3 on a random model must already beat it on held-out NLL (a real training signal)."""
     final = max((m for m in all_manifests() if m.training_dagster_run_id == sft_pipeline_run.chain.run_id), key=lambda m: m.step)
-    metadata = _metadata(sft_pipeline_run.evals[final.partition], "sft_eval_report")
-    assert metadata["checkpoint_nll"] < metadata["base_nll"]
+    row = _report_rows(sft_pipeline_run, final.partition)["nll"]
+    assert row["checkpoint"] < row["base"] and row["vs_base"] == "better"

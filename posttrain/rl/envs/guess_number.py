@@ -45,7 +45,7 @@ class GuessNumberEnv(Env):
         guess = _guess(text)
         solved = guess == self.secret
         done = solved or self.turns >= self.max_turns
-        metrics = {"solved": float(solved), "turns": float(self.turns), "parsed_guess": float(guess is not None)}
+        metrics = {"solved": float(solved), "correct": float(solved), "turns": float(self.turns), "parsed_guess": float(guess is not None)}
         if done:
             return StepResult(reward=1.0 if solved else 0.0, episode_done=True, metrics=metrics)
         self.messages += [{"role": "assistant", "content": text}, {"role": "user", "content": _feedback(guess, self.secret)}]

@@ -1,5 +1,8 @@
 """An :class:`RLDataset` over a list of problems (an ``rl_problems`` table, or generated ones).
 
+Each row is played by the env its scorer names (``posttrain.rl.envs.instances.group_builder``): a
+single-turn problem, or a multi-turn game such as guess-the-number.
+
 Batch k holds ``groups_per_batch`` problems, each a group of ``group_size`` envs. Problems are visited
 in a seeded shuffle, reshuffled each epoch; ``get_batch(k)`` depends only on (problems, seed, k), so a
 resumed run trains step k on exactly the problems it would have.
@@ -16,7 +19,8 @@ import pyarrow as pa
 from posttrain.completers import ChatRenderer
 from posttrain.datasets.problems import RLProblem, rl_problems_from_table
 from posttrain.datasets.schemas import RL_PROBLEMS, TRAIN_SPLIT, validate_table
-from posttrain.rl.envs.problem_env import DEFAULT_FORMAT_COEF, ProblemGroupBuilder
+from posttrain.rl.envs.instances import group_builder
+from posttrain.rl.envs.problem_env import DEFAULT_FORMAT_COEF
 from posttrain.rl.types import EnvGroupBuilder, RLDataset
 
 
@@ -59,7 +63,8 @@ class ProblemDataset(RLDataset):
             raise IndexError(f"batch {index} is outside this dataset's {len(self)} batches")
         chosen = batch_indices(len(self.problems), self.groups_per_batch, self.seed, index)
         return [
-            ProblemGroupBuilder(self.renderer, self.problems[i], self.group_size, self.format_coef, self.system) for i in chosen
+            group_builder(self.problems[i], self.renderer, self.group_size, format_coef=self.format_coef, system=self.system)
+            for i in chosen
         ]
 
     def identity(self) -> dict[str, object]:

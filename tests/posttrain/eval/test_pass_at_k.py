@@ -2,7 +2,8 @@
 
 import pytest
 
-from posttrain.eval.accuracy import TaskProblem, evaluate_accuracy
+from posttrain.eval.accuracy import AccuracyEvaluator, TaskProblem, evaluate_accuracy, problem_keys
+from posttrain.eval.items import mean_metrics
 from posttrain.eval.base import EvalTarget
 from posttrain.eval.pass_at_k import PassAtKEvaluator, pass_at_k
 from posttrain.renderers import get_renderer
@@ -47,3 +48,19 @@ def test_evaluator_averages_the_estimator_over_problems(service_client):
         "pass@2": pytest.approx(sum(pass_at_k(4, c, 2) for c in correct) / 3),
     }
     assert metrics["pass@2"] >= metrics["pass@1"]
+
+
+def test_item_scores_are_per_problem_and_average_to_the_reported_metrics(service_client):
+    renderer = get_renderer("chatml", tiny_tokenizer())
+    problems = [TaskProblem(f"What is {i} + 1?", str(i + 1), row_id=str(i)) for i in range(3)]
+    target = EvalTarget(sampling_client=service_client.create_sampling_client(base_model=TINY_MODEL).result(), tokenizer=tiny_tokenizer())
+    greedy = AccuracyEvaluator(renderer, problems, prefix="", format_coef=0.1, max_tokens=6, grade=_grade_by_parity)
+    items = greedy.score_items(target)
+    assert set(items) == {"accuracy", "well_formed", "reward"}
+    assert list(items["accuracy"]) == problem_keys(problems) and len(set(problem_keys(problems))) == 3
+    graded = evaluate_accuracy(target, renderer, problems, max_tokens=6, grade=_grade_by_parity).rows
+    for key, row in zip(problem_keys(problems), graded):
+        assert items["accuracy"][key] == float(row.correct)
+        assert items["reward"][key] == pytest.approx(0.1 * (float(row.well_formed and row.extracted is not None) - 1) + row.score)
+    sampled = PassAtKEvaluator(renderer, problems, 2, num_samples=4, max_tokens=6, seed=5, grade=_grade_by_parity)
+    assert mean_metrics(sampled.score_items(target)) == pytest.approx(sampled(target))
