@@ -21,7 +21,7 @@ from posttrain.datasets.problems import rl_problems_from_table
 from posttrain.datasets.schemas import HELDOUT_SPLIT
 from posttrain.renderers import get_renderer
 from posttrain.rl.config import RLConfig
-from posttrain.rl.envs import build_rl_dataset
+from posttrain.rl.envs import build_rl_dataset, check_env
 from posttrain.rl.envs.problem_env import DEFAULT_FORMAT_COEF
 from posttrain.rl.evaluation import EnvEvaluator
 from posttrain.rl.recipe import RLRecipe
@@ -33,7 +33,14 @@ TABLE_ENV = "problems"  # the env that trains on the rl_problems table
 
 
 def side_loading_error(asset: str, env: str) -> str:
-    """Why a recipe refuses an env that would generate or load its examples outside the asset graph."""
+    """Why a recipe refuses an env other than the table's: unknown, or one that would generate or load its
+    examples outside the asset graph."""
+    try:
+        check_env(env, {})
+    except ValueError as error:
+        return (f"{asset}: cannot build env={env!r}: {error}. Training assets take env={TABLE_ENV!r} only: materialize "
+                f"another env's instances as rl_problems rows (source 'arithmetic?count=N', 'guess_number?count=N', gsm8k, "
+                "'reasoning_gym:<task>', a file)")
     source = env.removeprefix("reasoning_gym:") if env.startswith("reasoning_gym:") else None
     example = f"reasoning_gym:{source}" if source else {"arithmetic": "arithmetic?count=400", "guess_number": "guess_number?count=400"}.get(env, env)
     return (
