@@ -194,6 +194,7 @@ class CheckpointInfo:
     created_at: float
     size_bytes: int
     expires_at: float | None = None  # unix time after which the checkpoint is deleted; None = never
+    public: bool = False  # published (RestClient.publish_checkpoint_from_tinker_path); a flag locally
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,10 @@ class Engine(Protocol):
 
     def save_sampler_weights(self, model_id: str, name: str, ttl_seconds: int | None = None) -> str:
         """Returns ``tinker://<run>/sampler_weights/<name>``."""
+        ...
+
+    def set_checkpoint_public(self, tinker_path: str, public: bool) -> None:
+        """Publishes or unpublishes a checkpoint (idempotent)."""
         ...
 
     def save_external_weights(self, model_id: str, name: str, ttl_seconds: int | None = None) -> str:

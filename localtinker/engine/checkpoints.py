@@ -32,7 +32,12 @@ from urllib.parse import quote, unquote
 import torch
 from safetensors.torch import load_file, save_file
 
-from localtinker.engine.api import CheckpointInfo, EngineUserError, UnknownModelError, checkpoint_ttl_problem
+from localtinker.engine.api import (
+    CheckpointInfo,
+    EngineUserError,
+    UnknownModelError,
+    checkpoint_ttl_problem,
+)
 
 KINDS = ("weights", "sampler_weights", "external_weights")
 LOADABLE_KINDS = ("weights", "sampler_weights")  # external weights are a download format
@@ -189,14 +194,21 @@ class CheckpointStore:
     def set_ttl(self, path: str, ttl_seconds: int | None) -> CheckpointInfo:
         """Expires ``path`` ``ttl_seconds`` from now (None: never); rewrites its meta atomically."""
         _check_ttl(ttl_seconds)
+        expires_at = None if ttl_seconds is None else self.clock() + ttl_seconds
+        self._expires(expires_at)
+        return self._update_meta(path, {"expires_at": expires_at})
+
+    def set_public(self, path: str, public: bool) -> CheckpointInfo:
+        """Marks ``path`` published or not (idempotent)."""
+        return self._update_meta(path, {"public": public})
+
+    def _update_meta(self, path: str, changes: dict) -> CheckpointInfo:
         run_id, kind, name = parse_tinker_path(path)
         meta_file = self._dir(run_id, kind, name) / _META_FILE
         if not meta_file.is_file() or self._expired(json.loads(meta_file.read_text())):
             self.purge_expired()
             raise UnknownModelError(f"checkpoint {path} does not exist (or has expired); list_checkpoints shows the live ones.")
-        meta = json.loads(meta_file.read_text())
-        meta["expires_at"] = None if ttl_seconds is None else self.clock() + ttl_seconds
-        self._expires(meta["expires_at"])
+        meta = {**json.loads(meta_file.read_text()), **changes}
         staging = meta_file.with_name(f".{_META_FILE}.{os.getpid()}-{time.monotonic_ns()}")
         staging.write_text(json.dumps(meta, indent=1))
         os.replace(staging, meta_file)
@@ -237,6 +249,7 @@ class CheckpointStore:
                             created_at=float(meta.get("created_at", 0.0)),
                             size_bytes=sum(f.stat().st_size for f in checkpoint.iterdir() if f.is_file()),
                             expires_at=None if meta.get("expires_at") is None else float(meta["expires_at"]),
+                            public=bool(meta.get("public", False)),
                         )
                     )
         return sorted(infos, key=lambda info: info.created_at)

@@ -360,6 +360,10 @@ class LocalEngine:
         with self._lock:
             return external_weights_files(self.checkpoints, tinker_path)
 
+    def set_checkpoint_public(self, tinker_path: str, public: bool) -> None:
+        with self._lock:
+            self.checkpoints.set_public(tinker_path, public)
+
     def set_checkpoint_ttl(self, tinker_path: str, ttl_seconds: int | None) -> None:
         with self._lock:
             self.checkpoints.set_ttl(tinker_path, ttl_seconds)

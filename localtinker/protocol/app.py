@@ -21,6 +21,7 @@ from .routes.checkpoints import CheckpointRoutes
 from .routes.futures import FutureRoutes
 from .routes.openai import OpenAIRoutes
 from .routes.sampling import SamplingRoutes
+from .routes.session_info import SessionInfoRoutes
 from .routes.sessions import SessionRoutes
 from .routes.training import TrainingRoutes
 from .routes.weights import WeightsRoutes
@@ -35,6 +36,7 @@ class LocalTinkerService(ServiceCore):
         super().__init__(engine, storage_dir, config)
         self.families = (
             SessionRoutes(self),
+            SessionInfoRoutes(self),
             TrainingRoutes(self),
             SamplingRoutes(self),
             FutureRoutes(self),

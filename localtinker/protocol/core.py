@@ -11,6 +11,7 @@ import asyncio
 import datetime as dt
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,9 +33,10 @@ from localtinker.engine.api import (
 )
 
 from . import json_codec as jc
+from .downloads import SignedDownloads
 from .errors import OversizedBody, ProtocolError, bad_request, not_found
 from .futures import FutureStore, Payload
-from .registry import Registry
+from .registry import Registry, TraceEvent
 from .worker import EngineWorker, Job, SampleJob, SequenceError
 
 logger = logging.getLogger("localtinker.protocol")
@@ -85,6 +87,10 @@ def session_of(model_id: str) -> str:
     return model_id.rsplit(":train:", 1)[0]
 
 
+def session_of_sampler(sampler_id: str) -> str:
+    return sampler_id.rsplit(":sample:", 1)[0]
+
+
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -131,6 +137,7 @@ class ServiceCore:
         self.storage_dir = storage_dir
         self.futures = FutureStore(config.result_retention_s)
         self.registry = Registry(storage_dir)
+        self.downloads = SignedDownloads()
         self.worker = EngineWorker(
             engine,
             gap_timeout_s=config.gap_timeout_s,
@@ -257,6 +264,7 @@ class ServiceCore:
     ) -> None:
         """Queues a sample into the engine's batched stream; top-k / target / alternative-token figures, when
         asked, follow as one worker job on the finished result."""
+        on_done, on_error = self._traced(session_of_sampler(sampler_id), "sample", sampler_id, on_done, on_error)
         if not extras.wanted:
             self.worker.submit_sample(SampleJob(sampler_id, spec, lambda result: on_done(result, None), on_error))
             return
@@ -272,6 +280,22 @@ class ServiceCore:
             )
 
         self.worker.submit_sample(SampleJob(sampler_id, spec, sampled, on_error))
+
+    def _traced(
+        self, session_id: str, name: str, track: str, on_done: Callable[..., None], on_error: Callable[[BaseException], None]
+    ) -> tuple[Callable[..., None], Callable[[BaseException], None]]:
+        """Callbacks that also record the request in its session's trace (RestClient.export_session_trace)."""
+        started = time.time()
+
+        def done(*result: Any) -> None:
+            self.registry.record_event(session_id, TraceEvent(name, track, started, time.time(), True))
+            on_done(*result)
+
+        def failed(error: BaseException) -> None:
+            self.registry.record_event(session_id, TraceEvent(name, track, started, time.time(), False))
+            on_error(error)
+
+        return done, failed
 
     # ---- model ops in seq_id order -------------------------------------------------------------------
 
@@ -293,12 +317,10 @@ class ServiceCore:
             return JSONResponse({"request_id": existing, "model_id": model_id})
         request_id = self.futures.create(kind)
         self.registry.touch(model_id)
-        job = Job(
-            f"{kind} {model_id}#{seq_id}",
-            run,
-            self.complete_future(request_id, encode),
-            self.fail_future(request_id),
+        done, failed = self._traced(
+            session_of(model_id), kind, model_id, self.complete_future(request_id, encode), self.fail_future(request_id)
         )
+        job = Job(f"{kind} {model_id}#{seq_id}", run, done, failed)
         try:
             self.worker.submit_model_op(model_id, seq_id, request_id, job)
         except SequenceError as e:

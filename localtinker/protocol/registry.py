@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,29 @@ from localtinker.engine.api import ModelInfo
 logger = logging.getLogger("localtinker.protocol")
 
 
+TRACE_EVENTS_PER_SESSION = 20_000  # the newest requests a session trace shows
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One request of a session: what, on which model or sampler, from submission to completion."""
+
+    name: str
+    track: str  # model id or sampler id
+    start: float
+    end: float
+    ok: bool
+
+
 @dataclass
 class SessionRecord:
     session_id: str
     created_at: float
     last_heartbeat: float
-    finished: str | None = None
+    finished: str | None = None  # the client's finish reason: success | errored | interrupted
+    user_metadata: dict[str, str] = field(default_factory=dict)
+    display_name: str | None = None
+    events: deque[TraceEvent] = field(default_factory=lambda: deque(maxlen=TRACE_EVENTS_PER_SESSION))
 
 
 @dataclass
@@ -73,9 +91,9 @@ class Registry:
         self._load_runs()
 
     # sessions ----------------------------------------------------------------------------------
-    def new_session(self) -> SessionRecord:
+    def new_session(self, user_metadata: dict[str, str] | None = None, display_name: str | None = None) -> SessionRecord:
         now = time.time()
-        record = SessionRecord(str(uuid.uuid4()), now, now)
+        record = SessionRecord(str(uuid.uuid4()), now, now, user_metadata=user_metadata or {}, display_name=display_name)
         with self._lock:
             self.sessions[record.session_id] = record
         return record
@@ -83,6 +101,27 @@ class Registry:
     def session(self, session_id: str) -> SessionRecord | None:
         with self._lock:
             return self.sessions.get(session_id)
+
+    def all_sessions(self) -> list[SessionRecord]:
+        """Newest first."""
+        with self._lock:
+            return sorted(self.sessions.values(), key=lambda s: (s.created_at, s.session_id), reverse=True)
+
+    def record_event(self, session_id: str, event: TraceEvent) -> None:
+        with self._lock:
+            session = self.sessions.get(session_id)
+            if session is not None:
+                session.events.append(event)
+
+    def session_runs(self, session_id: str) -> list[str]:
+        prefix = f"{session_id}:train:"
+        with self._lock:
+            return sorted(k for k in {*self.runs, *self.models} if k.startswith(prefix))
+
+    def session_samplers(self, session_id: str) -> list[str]:
+        prefix = f"{session_id}:sample:"
+        with self._lock:
+            return sorted(k for k in self.samplers if k.startswith(prefix))
 
     # training models and runs ---------------------------------------------------------------------
     def add_model(self, record: ModelRecord) -> ModelRecord:

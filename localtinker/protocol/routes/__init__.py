@@ -1,6 +1,7 @@
 """The HTTP routes, one module per family; each family is a class over a ``ServiceCore`` with ``routes()``.
 
 - ``sessions``: start-up, sessions, heartbeats, capabilities and creating training models;
+- ``session_info``: the RestClient's session queries (get, list, search) and session trace export;
 - ``training``: a training client's sequenced ops (forward_backward, optim_step, saving weights);
 - ``sampling``: sampling sessions and ``asample``;
 - ``checkpoints``: training runs, checkpoint listing, deletion, TTLs and weights info;

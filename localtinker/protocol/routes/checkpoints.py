@@ -27,6 +27,7 @@ def checkpoint_json(info: CheckpointInfo) -> dict[str, Any]:
         "tinker_path": info.tinker_path,
         "size_bytes": info.size_bytes,
         "expires_at": None if info.expires_at is None else iso(info.expires_at),
+        "public": info.public,
     }
 
 
@@ -39,8 +40,11 @@ class CheckpointRoutes:
             self.core.route("training_runs", self.list_training_runs, "GET"),
             self.core.route("training_runs/{run_id}", self.get_training_run, "GET"),
             self.core.route("training_runs/{run_id}/checkpoints", self.list_run_checkpoints, "GET"),
-            self.core.route("training_runs/{run_id}/checkpoints/{checkpoint_id:path}", self.delete_checkpoint, "DELETE"),
+            # the sub-resource routes first: {checkpoint_id:path} would also match ".../publish"
+            self.core.route("training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish", self.publish, "POST"),
+            self.core.route("training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish", self.unpublish, "DELETE"),
             self.core.route("training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl", self.set_checkpoint_ttl, "PUT"),
+            self.core.route("training_runs/{run_id}/checkpoints/{checkpoint_id:path}", self.delete_checkpoint, "DELETE"),
             self.core.route("checkpoints", self.list_user_checkpoints, "GET"),
             self.core.route("weights_info", self.weights_info, "POST"),
         ]
@@ -100,6 +104,21 @@ class CheckpointRoutes:
     async def delete_checkpoint(self, request: Request) -> Response:
         path = f"tinker://{request.path_params['run_id']}/{request.path_params['checkpoint_id']}"
         await self.core.on_worker(f"delete_checkpoint {path}", lambda e: e.delete_checkpoint(path))
+        return JSONResponse({})
+
+    async def publish(self, request: Request) -> Response:
+        return await self._set_public(request, True)
+
+    async def unpublish(self, request: Request) -> Response:
+        return await self._set_public(request, False)
+
+    async def _set_public(self, request: Request, public: bool) -> Response:
+        """Locally every checkpoint is readable by whoever holds the server's key; the flag is what
+        listings and ``checkpoint info`` show. Idempotent: hosted Tinker answers 409 to a repeat, which
+        the SDK retries for minutes."""
+        await self.core.body(request)
+        path = f"tinker://{request.path_params['run_id']}/{request.path_params['checkpoint_id']}"
+        await self.core.on_worker(f"publish {path}", lambda e: e.set_checkpoint_public(path, public))
         return JSONResponse({})
 
     async def set_checkpoint_ttl(self, request: Request) -> Response:

@@ -60,8 +60,13 @@ class SessionRoutes:
         )
 
     async def create_session(self, request: Request) -> Response:
-        await self.core.json(request, "create_session")
-        record = self.core.registry.new_session()
+        body = await self.core.json(request, "create_session")
+        metadata = body.get("user_metadata")
+        display_name = body.get("display_name")
+        record = self.core.registry.new_session(
+            {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else None,
+            display_name if isinstance(display_name, str) and display_name else None,
+        )
         return JSONResponse({"type": "create_session", "session_id": record.session_id})
 
     async def session_heartbeat(self, request: Request) -> Response:
