@@ -30,13 +30,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("LOCALTINKER_API_KEY"),
         help="require this X-API-Key on every request (default: $LOCALTINKER_API_KEY, else no key needed)",
     )
-    serve.add_argument("--dtype", choices=DTYPES, default="float32")
+    serve.add_argument(
+        "--dtype", choices=(*DTYPES, "auto"), default="auto",
+        help="weights' precision (default auto: bfloat16 on a GPU, float32 on the CPU)",
+    )
+    serve.add_argument(
+        "--device",
+        default=None,
+        help="auto | cpu | cuda | cuda:N (default: $LOCALTINKER_DEVICE, else auto = the first CUDA GPU if torch sees one)",
+    )
     serve.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice, one per core)"
     )
     serve.add_argument("--max-request-mb", type=int, default=64, help="largest request body accepted")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.dtype == "auto":
+        from localtinker.engine.device import resolve_device
+
+        args.dtype = "float32" if resolve_device(args.device).type == "cpu" else "bfloat16"
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,8 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     storage.mkdir(parents=True, exist_ok=True)
     config = ProtocolConfig(api_key=args.api_key, max_request_bytes=args.max_request_mb * 1024 * 1024)
     sock = bind_socket(args.host, args.port)
-    service = LocalTinkerService(build_engine(storage, args.dtype, args.threads), storage, config)
-    print(f"localtinker serving http://{args.host}:{sock.getsockname()[1]} (storage {storage})", flush=True)
+    engine = build_engine(storage, args.dtype, args.threads, device=args.device)
+    service = LocalTinkerService(engine, storage, config)
+    print(f"localtinker serving http://{args.host}:{sock.getsockname()[1]} (storage {storage}, {engine.device}, "
+          f"{engine.dtype})", flush=True)
     try:
         uvicorn.Server(uvicorn_config(service.build_app(), args.log_level)).run(sockets=[sock])
     finally:

@@ -28,13 +28,21 @@ logger = logging.getLogger("localtinker")
 DTYPES = ("float32", "bfloat16")
 
 
-def build_engine(storage_dir: Path, dtype: str = "float32", num_threads: int | None = None) -> Engine:
-    """The real torch engine; imported lazily so the protocol layer loads without torch."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+def build_engine(storage_dir: Path, dtype: str | None = "float32", num_threads: int | None = None,
+                 device: str | None = None) -> Engine:
+    """The real torch engine; imported lazily so the protocol layer loads without torch.
+
+    ``device``: auto | cpu | cuda[:N]; None = ``$LOCALTINKER_DEVICE``, else auto (a CUDA GPU when torch sees
+    one). ``dtype`` None or ``"auto"``: bfloat16 on a GPU, float32 on the CPU."""
+    if dtype not in (*DTYPES, "auto", None):
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)} or auto")
+    from localtinker.engine.device import resolve_device
     from localtinker.engine.engine import LocalEngine
 
-    return LocalEngine(Path(storage_dir), dtype=dtype, num_threads=num_threads)
+    resolved = resolve_device(device)
+    if dtype in ("auto", None):
+        dtype = "float32" if resolved.type == "cpu" else "bfloat16"
+    return LocalEngine(Path(storage_dir), dtype=dtype, num_threads=num_threads, device=resolved)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -96,7 +104,8 @@ class RunningServer:
 def start_server(
     storage_dir: str | Path,
     *,
-    dtype: str = "float32",
+    dtype: str | None = "float32",
+    device: str | None = None,
     api_key: str | None = None,
     host: str = "127.0.0.1",
     port: int = 0,
@@ -107,7 +116,8 @@ def start_server(
 ) -> RunningServer:
     """Starts localtinker on ``host:port`` (port 0 = a free port) and returns once it accepts requests.
 
-    ``engine`` defaults to the real torch engine over ``storage_dir``; tests may pass a fake one.
+    ``engine`` defaults to the real torch engine over ``storage_dir`` on ``device`` (see :func:`build_engine`);
+    tests may pass a fake one.
     ``api_key`` (when given) overrides ``config.api_key``.
     """
     storage = Path(storage_dir).expanduser().resolve()
@@ -118,7 +128,7 @@ def start_server(
     sock = bind_socket(host, port)  # first: a taken port fails before any thread starts
     actual_port = sock.getsockname()[1]
     try:
-        engine = engine if engine is not None else build_engine(storage, dtype)
+        engine = engine if engine is not None else build_engine(storage, dtype, device=device)
     except BaseException:
         sock.close()
         raise

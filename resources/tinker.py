@@ -93,7 +93,7 @@ def _sha256_text(text: str) -> str:
 
 
 class _EmbeddedServers:
-    """One in-process localtinker per (storage dir, dtype) for the life of the process.
+    """One in-process localtinker per (storage dir, dtype, device) for the life of the process.
 
     Model weights take seconds to load, so every asset of a run shares the server; ``atexit``
     stops them so worker threads do not outlive the interpreter's shutdown.
@@ -101,17 +101,18 @@ class _EmbeddedServers:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._servers: dict[tuple[str, str], tuple[Any, str]] = {}
+        self._servers: dict[tuple[str, str, str], tuple[Any, str]] = {}
 
-    def get(self, storage_dir: Path, dtype: str) -> tuple[str, str]:
-        key = (str(storage_dir), dtype)
+    def get(self, storage_dir: Path, dtype: str, device: str = "auto") -> tuple[str, str]:
+        key = (str(storage_dir), dtype, device)
         with self._lock:
             if key not in self._servers:
                 from localtinker.server import start_server  # heavy (torch); only when embedded
 
                 api_key = f"tml-{secrets.token_hex(16)}"
                 storage_dir.mkdir(parents=True, exist_ok=True)
-                server = start_server(storage_dir=storage_dir, dtype=dtype, api_key=api_key, host="127.0.0.1", port=0)
+                server = start_server(storage_dir=storage_dir, dtype=dtype, device=device, api_key=api_key,
+                                      host="127.0.0.1", port=0)
                 self._servers[key] = (server, api_key)
             server, api_key = self._servers[key]
             return server.base_url, api_key
@@ -148,10 +149,18 @@ class TinkerResource(dg.ConfigurableResource):
     )
     base_model: str = Field(default=DEFAULT_BASE_MODEL, description="Base model used when an asset names none.")
     local_dtype: str = Field(
-        default="float32",
+        default="auto",
         description=(
             "Precision of the embedded localtinker: float32 (exact: sampler and trainer logprobs agree; also the "
-            "fastest on CPUs without AMX) or bfloat16 (bf16 weights, fp32 LoRA/optimizer)."
+            "fastest on CPUs without AMX), bfloat16 (bf16 weights, fp32 LoRA/optimizer), or auto (bfloat16 on a "
+            "GPU, float32 on the CPU)."
+        ),
+    )
+    local_device: str = Field(
+        default="",
+        description=(
+            "Device of the embedded localtinker: auto (a CUDA GPU when torch sees one), cpu, cuda or cuda:N. "
+            "Empty: $LOCALTINKER_DEVICE, else auto."
         ),
     )
 
@@ -177,7 +186,8 @@ class TinkerResource(dg.ConfigurableResource):
         os.environ.setdefault("TINKER_TELEMETRY", "0")  # offline machine: nothing to report to
         if self.base_url:
             return TinkerEndpoint("local", self.base_url, self.api_key or EXISTING_LOCAL_SERVER_KEY, embedded=False)
-        base_url, api_key = EMBEDDED_SERVERS.get(self.resolved_storage_dir(), self.local_dtype)
+        device = self.local_device or os.environ.get("LOCALTINKER_DEVICE") or "auto"
+        base_url, api_key = EMBEDDED_SERVERS.get(self.resolved_storage_dir(), self.local_dtype, device)
         return TinkerEndpoint("local", base_url, api_key, embedded=True)
 
     def resolved_storage_dir(self) -> Path:

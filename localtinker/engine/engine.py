@@ -5,6 +5,12 @@ name (loaded on first use), one LoRA adapter + AdamW state per training model, a
 point at a base model plus optional adapter weights (a checkpoint, or a snapshot of a training
 model's current weights spilled to disk so long RL runs do not pile snapshots up in memory).
 
+Devices (device.py): on the CPU the tuned path below; on a CUDA GPU, and on the CPU for models whose
+attention the tuned kernels do not cover (families.py), the *portable path*: bf16 (or float32) weights once on
+the device, packed padding-free training rows (packed_rows.py), a chunked unembedding + loss
+(chunked_logprobs.py) and a KV-cache sampler with continuous batching (portable_sampling.py). Both paths share
+validation, losses, LoRA (lora.py), AdamW and checkpoints.
+
 Precision: ``float32`` is exact (sampler and trainer logprobs agree to ~1e-6); ``bfloat16`` keeps
 the frozen base weights in bf16 and the LoRA weights, gradients, Adam moments and the unembedding in
 float32; its matmuls run in bf16 only where this CPU measurably multiplies bf16 faster (bf16_matmul.py),
@@ -41,18 +47,22 @@ from localtinker.engine.api import (
 )
 from localtinker.engine.bf16_matmul import bf16_matmul_is_fast
 from localtinker.engine.checkpoints import CheckpointStore, parse_tinker_path
+from localtinker.engine.chunked_logprobs import chunked_token_logprobs
+from localtinker.engine.families import architecture, context_length, final_softcap
 from localtinker.engine.datums import PreparedDatum, prepare_datums
 from localtinker.engine.heap import keep_freed_memory
 from localtinker.engine.logprobs import token_logprobs_tracking
 from localtinker.engine.lora import AdapterHost, validate_lora_spec
 from localtinker.engine.losses import LOSSES, gradient_tokens, resolve_loss_config
-from localtinker.engine.models import DTYPES, TINY_RANDOM_NAME, BaseModel, load_base_model
+from localtinker.engine.models import DTYPES, TINY_RANDOM_NAME, BaseModel, load_base_model, portable_base_model
 from localtinker.engine.optimizer import AdamState, adamw_step, validate_adam
 from localtinker.engine.packaged import SMOLLM2_NAME
+from localtinker.engine.packed_rows import packed_token_rows
 from localtinker.engine.packed_training import pack_for_training
 from localtinker.engine.peft_export import CheckpointFiles, external_weights_files, save_external_weights
 from localtinker.engine import scoring
 from localtinker.engine.api import SampleExtras, SampleExtrasSpec
+from localtinker.engine.portable_sampling import PortableSampleStream
 from localtinker.engine.prefix_sharing import token_rows
 from localtinker.engine.retained_forward import LogprobBatch, RetainedForward, forward_tracking
 from localtinker.engine.sample_stream import SampleStream, SamplingTarget
@@ -85,6 +95,10 @@ RESIDENT_SAMPLER_ADAPTERS = 2
 # costs a copy of the adapted base weights (540 MB on SmolLM2-135M): two cover an RL loop's current and
 # previous snapshot; a third set of weights sampled at the same moment runs unmerged.
 MERGED_SAMPLER_ADAPTERS = 2
+# Tokens per packed micro-batch on the portable path off the CPU: a GPU step's fixed costs (kernel launches,
+# the LoRA products' small shapes) amortise over many tokens; activations of an 8B model at 16k tokens fit
+# an 80 GB card next to its bf16 weights. On the CPU the tuned path's budget holds.
+PORTABLE_MICROBATCH_TOKENS = 16384
 
 
 @dataclass
@@ -119,14 +133,22 @@ class _Host:
 
 
 class LocalEngine:
-    def __init__(self, storage_dir: Path, dtype: str = "float32", num_threads: int | None = None) -> None:
+    def __init__(self, storage_dir: Path, dtype: str = "float32", num_threads: int | None = None,
+                 device: str | torch.device = "cpu", portable: bool | None = None) -> None:
         """``num_threads`` sets torch's (process-wide) intra-op threads; None keeps torch's default. On a
-        2-core machine shared with other busy processes, 1 thread is several times faster than 2."""
+        2-core machine shared with other busy processes, 1 thread is several times faster than 2.
+        ``device``: ``cpu``, ``cuda[:N]`` or ``auto`` (device.py). ``portable``: None = the portable path off
+        the CPU and for models the CPU kernels do not cover; True = always (the CUDA path's code on the CPU)."""
+        from localtinker.engine.device import resolve_device
+
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.device = device if isinstance(device, torch.device) else resolve_device(device)
+        self.portable = True if self.device.type != "cpu" else portable
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        keep_freed_memory()  # before the worker thread first allocates (heap.py)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # before the worker thread first allocates (heap.py)
         self.dtype = dtype
         self.storage_dir = Path(storage_dir)
         self.checkpoints = CheckpointStore(self.storage_dir / "checkpoints")
@@ -144,6 +166,14 @@ class LocalEngine:
     def supported_models(self) -> list[ModelInfo]:
         return [self._base_info(name) for name in (SMOLLM2_NAME, TINY_RANDOM_NAME)]
 
+    def add_base_model(self, name: str, model: torch.nn.Module, tokenizer: object | None = None,
+                       tokenizer_id: str = "") -> None:
+        """Serves an in-memory causal LM under ``name`` on the portable path (benchmarks of random-initialised
+        shapes; tools that build their own model). Its parameters move to this engine's device."""
+        with self._lock:
+            base = portable_base_model(name, model, tokenizer, tokenizer_id, self.device)
+            self._hosts[name] = _Host(base=base, adapters=AdapterHost(base.model))
+
     def create_model(self, model_id: str, base_model: str, lora: LoraSpec) -> ModelInfo:
         with self._lock:
             if model_id in self._models:
@@ -152,7 +182,7 @@ class LocalEngine:
                 raise EngineUserError(f"model_id {model_id!r} must be non-empty and contain no '/'.")
             validate_lora_spec(lora)
             host = self._host(base_model)
-            if self.dtype == "float32" or bf16_matmul_is_fast():  # weights that compute in their own dtype
+            if not host.base.portable and (self.dtype == "float32" or bf16_matmul_is_fast()):  # own-dtype weights
                 pack_for_training(host.base.model)  # once per base model (packed_training.py)
             adapter = host.adapters.add_adapter(lora, lora.seed)
             self._models[model_id] = _TrainingModel(
@@ -212,6 +242,8 @@ class LocalEngine:
             host = self._hosts[model.base_name]
             config = resolve_loss_config(loss_fn, loss_fn_config)
             datums = prepare_datums(data, loss_fn, host.base.vocab_size, host.base.max_context_length)
+            if host.base.portable:
+                return self._portable_forward_backward(model, host, datums, loss_fn, config, forward_only)
             retained, self._retained = self._retained, None
             if forward_only or not (retained and retained.serves(model_id, model.version, datums, loss_fn, config)):
                 retained = None  # freed before this call's own forward
@@ -232,6 +264,26 @@ class LocalEngine:
                     batches = self._logprob_batches(host, datums, loss_fn, config)
                 del retained
                 return self._accumulate_grads(model, lambda: self._losses(batches, datums, loss_fn, config, backward=True))
+
+    def _portable_forward_backward(self, model, host, datums, loss_fn, config, forward_only) -> ForwardBackwardResult:
+        """The portable path's forward(_backward): packed rows, chunked logprobs, loss inputs on the device."""
+        device = self.device
+        datums = [replace(d, loss_inputs={k: v.to(device) for k, v in d.loss_inputs.items()}) for d in datums]
+        budget = PORTABLE_MICROBATCH_TOKENS if device.type != "cpu" else TRAIN_MICROBATCH_TOKENS
+        causal_lm = host.base.model
+        lm_head, softcap = causal_lm.get_output_embeddings(), final_softcap(causal_lm.config)
+        tokens, targets = [d.tokens for d in datums], [d.targets for d in datums]
+
+        def batches() -> Iterator[LogprobBatch]:
+            for rows in packed_token_rows(causal_lm.get_decoder(), tokens, targets, budget, device):
+                logprobs = chunked_token_logprobs(rows.hidden, lm_head, rows.targets, softcap)
+                yield LogprobBatch(rows.datum_rows, logprobs, torch.ones_like(rows.targets, dtype=torch.bool))
+
+        with host.adapters.activated(model.adapter):
+            if forward_only:
+                with torch.inference_mode():
+                    return self._losses(batches(), datums, loss_fn, config, backward=False)
+            return self._accumulate_grads(model, lambda: self._losses(batches(), datums, loss_fn, config, backward=True))
 
     def _forward_retaining(self, model, host, datums, loss_fn, config) -> ForwardBackwardResult:
         """A forward keeping the graphs of its first micro-batches, up to ``RETAINED_FORWARD_TOKENS`` tokens
@@ -310,8 +362,8 @@ class LocalEngine:
                 elementwise = loss_function(lp, datums[index].loss_inputs, config)
                 batch_loss = batch_loss + elementwise.sum()
                 outputs[index] = {
-                    "logprobs": lp.detach().float().numpy().copy(),
-                    "elementwise_loss": elementwise.detach().float().numpy().copy(),
+                    "logprobs": lp.detach().float().cpu().numpy().copy(),
+                    "elementwise_loss": elementwise.detach().float().cpu().numpy().copy(),
                 }
             if backward:
                 batch_loss.backward()
@@ -338,7 +390,7 @@ class LocalEngine:
                 name,
                 adapter=self._weights(model),
                 meta=self._meta(model),
-                optimizer=model.adam.to_tensors(),
+                optimizer={key: value.cpu() for key, value in model.adam.to_tensors().items()},
                 ttl_seconds=ttl_seconds,
             )
 
@@ -386,6 +438,9 @@ class LocalEngine:
                 raise
             if with_optimizer:
                 model.adam = AdamState.from_tensors(int(checkpoint.meta["step"]), checkpoint.optimizer)
+                for moments in (model.adam.exp_avg, model.adam.exp_avg_sq):
+                    for key, value in moments.items():
+                        moments[key] = value.to(self.device)
             return info
 
     def list_checkpoints(self, run_id: str | None = None) -> list[CheckpointInfo]:
@@ -444,9 +499,14 @@ class LocalEngine:
                     results[index] = result
             return results  # type: ignore[return-value]
 
-    def sample_stream(self) -> SampleStream:
-        """Continuous batching over this engine's samplers: requests join and leave between decode steps."""
-        return SampleStream(self)
+    def sample_stream(self) -> "RoutedSampleStream":
+        """Continuous batching over this engine's samplers: requests join and leave between decode steps; each
+        request goes to its base model's path (the tuned CPU stream, or the portable one)."""
+        return RoutedSampleStream(SampleStream(self), PortableSampleStream(self), self._sampler_is_portable)
+
+    def _sampler_is_portable(self, sampler_id: str) -> bool:
+        sampler = self._samplers.get(sampler_id)
+        return sampler is not None and self._hosts[sampler.base_name].base.portable
 
     def prepare_sample(self, sampler_id: str, spec: SampleSpec) -> tuple[str, SampleSpec]:
         """Validates a request for ``sampler_id``; returns (its weights key, the spec with max_tokens resolved)."""
@@ -470,10 +530,12 @@ class LocalEngine:
         host = self._hosts[sampler.base_name]
         adapter = self._resident_adapter(host, sampler)
         if adapter is not None:
-            self._merge_for_sampling(host, adapter)
+            if not host.base.portable:  # merged copies are float32 CPU weights (merged_lora.py)
+                self._merge_for_sampling(host, adapter)
             host.held[adapter] += 1
         base = host.base
-        pad = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else base.eos_token_ids[0]
+        pad = getattr(base.tokenizer, "pad_token_id", None)
+        pad = pad if pad is not None else (base.eos_token_ids[0] if base.eos_token_ids else 0)
 
         def release() -> None:
             if adapter is not None:
@@ -563,21 +625,25 @@ class LocalEngine:
 
     def _host(self, base_model: str) -> _Host:
         if base_model not in self._hosts:
-            base = load_base_model(base_model, self.dtype)
+            base = load_base_model(base_model, self.dtype, self.device, self.portable)
             self._hosts[base_model] = _Host(base=base, adapters=AdapterHost(base.model))
         return self._hosts[base_model]
 
     def _base_info(self, name: str) -> ModelInfo:
+        """What the model's config says: a loaded model's own, else the config file's."""
+        from transformers import AutoConfig
+
         from localtinker.engine.models import resolve_model_dir
 
-        return ModelInfo(
-            model_id=name,
-            base_model=name,
-            tokenizer_id=resolve_model_dir(name),
-            lora_rank=0,
-            arch="llama",
-            max_context_length=8192 if name == SMOLLM2_NAME else 2048,
-        )
+        if name in self._hosts:
+            base = self._hosts[name].base
+            arch, context, tokenizer_id = base.arch, base.max_context_length, base.tokenizer_id
+        else:
+            tokenizer_id = resolve_model_dir(name)
+            config = AutoConfig.from_pretrained(tokenizer_id)
+            arch, context = architecture(config), context_length(config)
+        return ModelInfo(model_id=name, base_model=name, tokenizer_id=tokenizer_id, lora_rank=0, arch=arch,
+                         max_context_length=context)
 
     def _model(self, model_id: str) -> _TrainingModel:
         model = self._models.get(model_id)
@@ -594,10 +660,31 @@ class LocalEngine:
         return sampler
 
     def _weights(self, model: _TrainingModel) -> dict[str, torch.Tensor]:
-        return {key: param.detach().clone() for key, param in model.params.items()}
+        return {key: param.detach().cpu().clone() for key, param in model.params.items()}
 
     def _meta(self, model: _TrainingModel) -> dict:
         return {"base_model": model.base_name, "lora": model.lora.__dict__, "step": model.adam.step}
+
+
+class RoutedSampleStream:
+    """The engine's one sample stream: each request to the stream of its base model's path."""
+
+    def __init__(self, tuned: SampleStream, portable: PortableSampleStream, is_portable: Callable[[str], bool]) -> None:
+        self.tuned, self.portable, self._is_portable = tuned, portable, is_portable
+
+    @property
+    def busy(self) -> bool:
+        return self.tuned.busy or self.portable.busy
+
+    def __getattr__(self, name: str):  # the tuned stream's statistics and state (tests, benches)
+        return getattr(self.tuned, name)
+
+    def submit(self, key, sampler_id: str, spec: SampleSpec) -> None:
+        (self.portable if self._is_portable(sampler_id) else self.tuned).submit(key, sampler_id, spec)
+
+    def step(self) -> list:
+        completed = self.tuned.step() if self.tuned.busy else []
+        return completed + (self.portable.step() if self.portable.busy else [])
 
 
 def _fresh_ephemeral_dir(root: Path) -> Path:

@@ -64,6 +64,7 @@ class AdapterHost:
         from peft import LoraConfig, get_peft_model
 
         validate_lora_spec(spec)
+        _check_adaptable(self.model, spec)
         config = LoraConfig(
             r=spec.rank,
             lora_alpha=LORA_ALPHA,
@@ -162,6 +163,22 @@ class AdapterHost:
                 self._peft.base_model.set_adapter(name)
                 self._active = name
         yield
+
+
+def _check_adaptable(model: torch.nn.Module, spec: LoraSpec) -> None:
+    """Mixture-of-experts models (Qwen3-MoE in transformers 5) keep their experts as fused 3-D parameters, not
+    linears: peft wraps them in nested parameter wrappers that this engine's flat adapter keys and fused
+    forward do not cover, so MLP LoRA there is refused rather than silently half-applied."""
+    if not spec.train_mlp:
+        return
+    fused = sorted({name.split("layers.")[-1].split(".", 1)[-1]  # e.g. mlp.experts.gate_up_proj
+                    for name, param in model.named_parameters() if param.dim() == 3})
+    if fused:
+        raise EngineUserError(
+            f"this base model's MLP experts are fused 3-D parameters ({', '.join(fused)}), which localtinker's LoRA "
+            "cannot adapt; create the training client with LoraConfig(train_mlp=False) to train attention (and the "
+            "unembedding) only."
+        )
 
 
 # Set to False to run peft's own LoRA forward (bench/profiling comparisons).

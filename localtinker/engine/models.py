@@ -19,6 +19,7 @@ from localtinker.engine.api import EngineUserError, UnknownModelError
 from localtinker.engine.bf16_head import Bf16Head
 from localtinker.engine.bf16_matmul import bf16_matmul_is_fast
 from localtinker.engine.attention import use_engine_attention
+from localtinker.engine.families import architecture, context_length, cpu_kernels_cover
 from localtinker.engine.hub_cache import register_tokenizer
 from localtinker.engine.packaged import SMOLLM2_NAME, cached_model_dir, localtinker_home, smollm2_hf_dir
 
@@ -41,6 +42,7 @@ class BaseModel:
     eos_token_ids: tuple[int, ...]
     max_context_length: int
     arch: str
+    portable: bool = False  # computes through the portable path (the CUDA path's code), not the tuned CPU one
 
 
 def tiny_random_dir() -> Path:
@@ -96,16 +98,24 @@ def resolve_model_dir(name: str) -> str:
     return name
 
 
-def load_base_model(name: str, dtype: str) -> BaseModel:
-    """Loads ``name`` frozen, in ``dtype``; raises :class:`UnknownModelError` when it cannot be found."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_base_model(name: str, dtype: str, device: torch.device | None = None, portable: bool | None = None) -> BaseModel:
+    """Loads ``name`` frozen, in ``dtype``, on ``device`` (default CPU); raises :class:`UnknownModelError` when it
+    cannot be found. ``portable`` None: the portable path off the CPU, and on the CPU for models whose
+    attention the tuned CPU kernels do not cover (families.py); True forces it (tests run the CUDA path's code
+    on the CPU that way)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
         raise EngineUserError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}.")
+    device = torch.device("cpu") if device is None else device
     source = resolve_model_dir(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype])
+        config = AutoConfig.from_pretrained(source)
+        if portable is None:
+            portable = device.type != "cpu" or not cpu_kernels_cover(config)
+        placement = {"device_map": str(device)} if device.type != "cpu" else {}
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], **placement)
     except OSError as error:
         raise UnknownModelError(
             f"base model {name!r} could not be loaded ({error.__class__.__name__}: {error}). Use "
@@ -114,6 +124,8 @@ def load_base_model(name: str, dtype: str) -> BaseModel:
         ) from error
     if source != name:
         register_tokenizer(name, Path(source))
+    if portable:
+        return portable_base_model(name, model, tokenizer, source, device)
     if DTYPES[dtype] != torch.float32:
         if not bf16_matmul_is_fast():
             _use_float32_master_head(model, Float32Head)
@@ -132,8 +144,32 @@ def load_base_model(name: str, dtype: str) -> BaseModel:
         tokenizer_id=source,
         vocab_size=int(config.vocab_size),
         eos_token_ids=_eos_token_ids(config, tokenizer),
-        max_context_length=int(getattr(config, "max_position_embeddings", 2048)),
-        arch=str(getattr(config, "model_type", "unknown")),
+        max_context_length=context_length(config),
+        arch=architecture(config),
+    )
+
+
+def portable_base_model(name: str, model: torch.nn.Module, tokenizer: object | None, tokenizer_id: str,
+                        device: torch.device) -> BaseModel:
+    """``model`` frozen on ``device`` in its own dtype (bf16 weights stay bf16: no float32 copy of any base
+    weight), attending through the portable path's attention (portable_attention.py)."""
+    from localtinker.engine.portable_attention import use_portable_attention
+
+    model.to(device)
+    use_portable_attention(model)
+    model.eval()
+    model.requires_grad_(False)
+    config = model.config
+    return BaseModel(
+        name=name,
+        model=model,
+        tokenizer=tokenizer,
+        tokenizer_id=tokenizer_id,
+        vocab_size=int(getattr(config.get_text_config(), "vocab_size", None) or config.vocab_size),
+        eos_token_ids=_eos_token_ids(config, tokenizer),
+        max_context_length=context_length(config),
+        arch=architecture(config),
+        portable=True,
     )
 
 
@@ -185,6 +221,6 @@ def _use_float32_master_head(model: torch.nn.Module, head_class: type[torch.nn.L
 
 def _eos_token_ids(config: object, tokenizer: object) -> tuple[int, ...]:
     configured = getattr(config, "eos_token_id", None)
-    ids = configured if isinstance(configured, list) else [configured]
+    ids = list(configured) if isinstance(configured, list) else [configured]
     ids.append(getattr(tokenizer, "eos_token_id", None))
     return tuple(sorted({int(i) for i in ids if i is not None}))

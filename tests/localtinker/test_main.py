@@ -22,3 +22,10 @@ def test_api_key_and_dtype_are_configurable(monkeypatch: pytest.MonkeyPatch) -> 
     assert (args.api_key, args.dtype) == ("tml-flag", "bfloat16")
     with pytest.raises(SystemExit):
         parse_args(["serve", "--storage", "s", "--dtype", "float16"])
+
+
+def test_device_comes_from_the_flag_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCALTINKER_DEVICE", "cpu")
+    args = parse_args(["serve", "--storage", "s"])
+    assert (args.device, args.dtype) == (None, "float32")  # None: the engine reads $LOCALTINKER_DEVICE
+    assert parse_args(["serve", "--storage", "s", "--device", "cpu"]).device == "cpu"

@@ -1,0 +1,48 @@
+"""What the engine reads from a model's config: architecture, context length, the final-logit soft cap, and
+whether the CPU path's own attention (shared-prompt decode, shared-prefix training) covers the model.
+
+Gemma 2 and 3 cap their logits (``cap·tanh(logits / cap)``) inside ``ForCausalLM.forward``, which the engine
+bypasses (it unembeds only the positions it needs), so the cap is applied by the engine's own head functions.
+Sliding-window layers and attention-logit soft caps are beyond the CPU path's attention kernels: such models
+run the portable path (the CUDA path's code) on the CPU too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def text_config(config: Any) -> Any:
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+def architecture(config: Any) -> str:
+    """The model family as transformers names it (``llama``, ``qwen3``, ``gemma3_text``, ``qwen3_moe``, ...)."""
+    return str(getattr(text_config(config), "model_type", None) or getattr(config, "model_type", "unknown"))
+
+
+def context_length(config: Any, default: int = 2048) -> int:
+    return int(getattr(text_config(config), "max_position_embeddings", None) or default)
+
+
+def final_softcap(config: Any) -> float | None:
+    cap = getattr(text_config(config), "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def uses_sliding_windows(config: Any) -> bool:
+    text = text_config(config)
+    window = getattr(text, "sliding_window", None)
+    if not window or window >= context_length(text):
+        return False
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None:
+        return "sliding_attention" in layer_types
+    return bool(getattr(text, "use_sliding_window", True))
+
+
+def cpu_kernels_cover(config: Any) -> bool:
+    """Whether the CPU path's tuned attention and head serve this model (no soft caps, no sliding windows)."""
+    text = text_config(config)
+    return not (final_softcap(config) or getattr(text, "attn_logit_softcapping", None) or uses_sliding_windows(config))

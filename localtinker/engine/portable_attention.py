@@ -1,0 +1,137 @@
+"""Attention of the portable path (the CUDA path's code, runnable on any device): transformers' ``sdpa``,
+plus what sdpa lacks.
+
+- Packed training rows (``packed_rows.py``) pass ``cu_seq_lens_q`` / ``max_length_q``; on a CUDA device where
+  torch has ``torch.nn.attention.varlen.varlen_attn`` (flash varlen, torch ≥ 2.10) that kernel runs them with
+  no mask at all. Elsewhere transformers' packed-sequence mask (block-diagonal causal, sliding windows
+  included) goes to sdpa, which is the same function.
+- Gemma 2's attention-logit soft cap (``softcap``), which sdpa cannot apply, runs as an explicit product with
+  ``cap·tanh(scores/cap)`` before the mask and the float32 softmax (transformers' eager formula).
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+from contextvars import ContextVar
+from functools import lru_cache
+from typing import Any, Iterator
+
+import torch
+
+NAME = "localtinker_portable"
+_varlen_rows: ContextVar[bool] = ContextVar("localtinker_varlen_rows", default=False)
+_registered = False
+
+
+def use_portable_attention(model: torch.nn.Module) -> None:
+    """Switches ``model`` to :func:`portable_attention` (registered once per process)."""
+    global _registered
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    if not _registered:
+        AttentionInterface.register(NAME, portable_attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, _portable_mask)
+        _registered = True
+    model.set_attn_implementation(NAME)
+
+
+@contextmanager
+def varlen_rows(enabled: bool) -> Iterator[None]:
+    """Within the block, packed rows run through the varlen kernel and transformers builds no mask for them."""
+    token = _varlen_rows.set(enabled)
+    try:
+        yield
+    finally:
+        _varlen_rows.reset(token)
+
+
+def varlen_available(device: torch.device) -> bool:
+    """Whether packed rows on ``device`` can take the flash varlen kernel."""
+    return device.type == "cuda" and _varlen_function() is not None
+
+
+def _portable_mask(*args: Any, **kwargs: Any) -> Any:
+    from transformers.masking_utils import sdpa_mask
+
+    if _varlen_rows.get():
+        return None  # the varlen kernel takes the rows' boundaries instead
+    return sdpa_mask(*args, **kwargs)
+
+
+def portable_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    softcap = kwargs.get("softcap")
+    if _varlen_rows.get() and kwargs.get("cu_seq_lens_q") is not None and softcap is None:
+        return _varlen_attention(query, key, value, kwargs), None
+    if softcap is not None:
+        return softcapped_attention(query, key, value, attention_mask, kwargs.get("scaling"), softcap), None
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("softcap", "sliding_window")}
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0], None
+
+
+def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                         scaling: float | None, softcap: float) -> torch.Tensor:
+    """softmax(cap·tanh(q·kᵀ·scaling / cap) + mask)·v, softmax in float32; ``mask`` is sdpa's boolean
+    [batch, 1, queries, keys] (True = visible), a float bias, or None (causal). Returns [batch, queries, heads, d]."""
+    heads, key_heads = query.shape[1], key.shape[1]
+    if heads != key_heads:
+        key = key.repeat_interleave(heads // key_heads, dim=1)
+        value = value.repeat_interleave(heads // key_heads, dim=1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    queries, keys = scores.shape[-2], scores.shape[-1]
+    if mask is None:
+        mask = torch.ones((queries, keys), dtype=torch.bool, device=query.device).tril(keys - queries)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask[..., -keys:], torch.finfo(torch.float32).min)
+    else:
+        scores = scores + mask[..., -keys:].float()
+    weights = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous()
+
+
+@lru_cache(maxsize=1)
+def _varlen_function() -> tuple[Any, bool, bool] | None:
+    """(varlen_attn, takes window_size, takes enable_gqa), or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    parameters = inspect.signature(varlen_attn).parameters
+    return varlen_attn, "window_size" in parameters, "enable_gqa" in parameters
+
+
+def _varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    """Packed rows [1, heads, tokens, d] through the flash varlen kernel; returns [1, tokens, heads, d]."""
+    function, takes_window, takes_gqa = _varlen_function()
+    heads, key_heads = query.shape[1], key.shape[1]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, d]
+    if heads != key_heads and not takes_gqa:
+        k, v = k.repeat_interleave(heads // key_heads, dim=1), v.repeat_interleave(heads // key_heads, dim=1)
+    window = kwargs.get("sliding_window")
+    options: dict[str, Any] = {}
+    if takes_window:
+        options["window_size"] = (window - 1 if window else -1, 0)
+    elif window:
+        raise RuntimeError("this torch's varlen_attn has no sliding windows; packed rows need torch >= 2.11 here")
+    else:
+        options["is_causal"] = True
+    if takes_gqa and heads != key_heads:
+        options["enable_gqa"] = True
+    scaling = kwargs.get("scaling")
+    if scaling is not None:
+        if "scale" in inspect.signature(function).parameters:
+            options["scale"] = scaling
+        else:  # the kernel's own scale is d^-0.5
+            q = q * (scaling * q.shape[-1] ** 0.5)
+    cu = kwargs["cu_seq_lens_q"]
+    longest = int(kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max()))
+    output = function(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest, **options)
+    return output[None]

@@ -1,0 +1,234 @@
+"""The portable path's sampler (the CUDA path's; on the CPU, models the tuned path does not cover):
+continuous batching over a KV cache on the model's device.
+
+One :class:`_Batch` per set of weights holds its running rows' keys and values (``kv_rows.RowCache``: rows
+left-padded to a common width, a 0/1 mask, explicit positions, columns written in place). Requests join at
+the next step: their distinct prompts are prefilled together (each prompt once, then its cache copied to its
+samples) and merged into the batch; finished rows leave, and columns no row attends to any more are dropped.
+Attention, masks (sliding windows included) and the model's own layers are transformers'; the logits go
+through ``chunked_logprobs.output_logits``, the trainer's function, so sampler and trainer agree.
+Admission is bounded by the same KV budget as the CPU stream (prompt + samples × min(max_tokens, 1024)).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from localtinker.engine.api import EngineUserError, SampledSequence, SampleResult, SampleSpec
+from localtinker.engine.chunked_logprobs import chunked_token_logprobs, output_logits
+from localtinker.engine.families import final_softcap
+from localtinker.engine.kv_rows import RowCache, first_used_column, left_pad, select_rows
+from localtinker.engine.sample_stream import RESERVED_TOKENS_PER_SAMPLE, SamplingBackend, SamplingTarget
+from localtinker.engine.sampler import SampleRow, record_token, rows_for
+from localtinker.engine.token_choice import choose_tokens_on_device
+
+# Σ (prompt + samples × min(max_tokens, 1024)) admitted at once. A GPU holds far more keys than a CPU can
+# attend to per step: 64 prompts × 8 samples × 1024 tokens fit an 8B model's cache on an 80 GB card.
+PORTABLE_BATCH_TOKENS = 1 << 20
+
+Completed = list[tuple[Hashable, SampleResult | Exception]]
+
+
+@dataclass
+class _Request:
+    key: Hashable
+    sampler_id: str
+    weights: str
+    spec: SampleSpec
+    rows: list[SampleRow] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    left: int = 0  # rows still decoding
+
+    def cost(self) -> int:
+        return len(self.spec.prompt_tokens) + self.spec.num_samples * min(self.spec.max_tokens, RESERVED_TOKENS_PER_SAMPLE)
+
+    def result(self) -> SampleResult:
+        sequences = [SampledSequence(r.tokens, r.logprobs, r.stop_reason or "length") for r in self.rows]
+        return SampleResult(sequences, self.prompt_logprobs)
+
+
+class _Batch:
+    """The running rows of one set of weights."""
+
+    def __init__(self, target: SamplingTarget) -> None:
+        self.target = target
+        model = target.model
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.softcap = final_softcap(model.config)
+        self.device = next(model.parameters()).device
+        self.rows: list[SampleRow] = []
+        self.cache: RowCache | None = None
+        self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
+        self.positions = torch.zeros((0,), dtype=torch.long, device=self.device)
+        self.last = torch.zeros((0,), dtype=torch.long, device=self.device)
+
+    def admit(self, requests: list[_Request]) -> list[_Request]:
+        """Prefills the requests' prompts and draws their first tokens; returns requests already complete."""
+        prompts = list(dict.fromkeys(r.spec.prompt_tokens for r in requests))
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.target.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = RowCache()
+        hidden = self.decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                              use_cache=True).last_hidden_state
+        done: list[_Request] = []
+        index: list[int] = []
+        new_rows: list[SampleRow] = []
+        for request in requests:
+            prompt_row = prompts.index(request.spec.prompt_tokens)
+            if request.spec.prompt_logprobs:
+                request.prompt_logprobs = self._prompt_logprobs(hidden[prompt_row], request.spec)
+            request.rows = rows_for(request, request.spec, self.target.eos_token_ids)
+            request.left = len(request.rows) if request.spec.max_tokens > 0 else 0
+            if request.left == 0:
+                for row in request.rows:
+                    row.stop_reason = "length"
+                done.append(request)
+                continue
+            index += [prompt_row] * len(request.rows)
+            new_rows += request.rows
+        if not new_rows:
+            return done
+        chosen = torch.tensor(index, device=self.device)
+        first_logits = output_logits(hidden[chosen, -1], self.lm_head, self.softcap)
+        new_cache, new_mask = select_rows(cache, mask, chosen)
+        self._merge(new_rows, new_cache, new_mask, positions[chosen, -1] + 1)
+        return done + self._record(first_logits, new_rows, start=len(self.rows) - len(new_rows))
+
+    def step(self) -> list[_Request]:
+        """One decode step for every row; returns the requests whose last row just finished."""
+        self.mask = torch.cat([self.mask, torch.ones((len(self.rows), 1), dtype=torch.long, device=self.device)], 1)
+        hidden = self.decoder(input_ids=self.last[:, None], attention_mask=self.mask, position_ids=self.positions[:, None],
+                              past_key_values=self.cache, use_cache=True).last_hidden_state[:, -1]
+        self.positions = self.positions + 1
+        return self._record(output_logits(hidden, self.lm_head, self.softcap), self.rows, start=0)
+
+    def _record(self, logits: torch.Tensor, rows: list[SampleRow], start: int) -> list[_Request]:
+        tokens, logprobs = choose_tokens_on_device(logits, rows)
+        self.last[start : start + len(rows)] = tokens
+        done: list[_Request] = []
+        tokenizer = self.target.tokenizer
+        for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist()):
+            if record_token(row, token, logprob, tokenizer):
+                row.request.left -= 1
+                if row.request.left == 0:
+                    done.append(row.request)
+        if any(row.stop_reason for row in self.rows):
+            self._keep([i for i, row in enumerate(self.rows) if row.stop_reason is None])
+        return done
+
+    def _merge(self, rows: list[SampleRow], cache: RowCache, mask: torch.Tensor, positions: torch.Tensor) -> None:
+        last = torch.zeros((len(rows),), dtype=torch.long, device=self.device)
+        if self.cache is None or not self.rows:
+            self.cache, self.mask, self.positions, self.last = cache, mask, positions, last
+            self.rows = list(rows)
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+        layers = [
+            type(old)(torch.cat([left_pad(old.keys, width), left_pad(new.keys, width)]),
+                      torch.cat([left_pad(old.values, width), left_pad(new.values, width)]))
+            for old, new in zip(self.cache.layers, cache.layers)
+        ]
+        self.cache = RowCache(layers)
+        pad = lambda m: torch.cat([m.new_zeros((m.shape[0], width - m.shape[1])), m], dim=1)  # noqa: E731
+        self.mask = torch.cat([pad(self.mask), pad(mask)])
+        self.positions = torch.cat([self.positions, positions])
+        self.last = torch.cat([self.last, last])
+        self.rows += rows
+
+    def _keep(self, keep: list[int]) -> None:
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache, self.mask = None, self.mask[:0]
+            self.positions, self.last = self.positions[:0], self.last[:0]
+            return
+        index = torch.tensor(keep, device=self.device)
+        self.cache, self.mask = select_rows(self.cache, self.mask, index)
+        first = first_used_column(self.mask)
+        if first:  # columns no remaining row attends to
+            self.cache = RowCache([type(layer)(layer.keys[:, :, first:], layer.values[:, :, first:]) for layer in self.cache.layers])
+            self.mask = self.mask[:, first:]
+        self.positions, self.last = self.positions[index], self.last[index]
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, spec: SampleSpec) -> list[float | None]:
+        prompt = spec.prompt_tokens
+        own = hidden[hidden.shape[0] - len(prompt):]
+        targets = torch.tensor(prompt[1:], device=self.device)
+        values = chunked_token_logprobs(own[:-1], self.lm_head, targets, self.softcap, spec.temperature or 1.0)
+        return [None, *values.tolist()]
+
+
+class PortableSampleStream:
+    """``submit`` / ``step`` / ``busy`` as :class:`~localtinker.engine.sample_stream.SampleStream`."""
+
+    def __init__(self, backend: SamplingBackend, budget_tokens: int = PORTABLE_BATCH_TOKENS) -> None:
+        self.backend = backend
+        self.budget_tokens = budget_tokens
+        self._pending: deque[_Request] = deque()
+        self._rejected: Completed = []
+        self._batches: dict[str, _Batch] = {}
+        self._admitted: dict[Hashable, _Request] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pending or self._batches or self._rejected)
+
+    def submit(self, key: Hashable, sampler_id: str, spec: SampleSpec) -> None:
+        try:
+            weights, spec = self.backend.prepare_sample(sampler_id, spec)
+        except EngineUserError as error:
+            self._rejected.append((key, error))
+            return
+        if spec.seed is None:
+            spec = replace(spec, seed=random.SystemRandom().randrange(2**62))
+        self._pending.append(_Request(key, sampler_id, weights, spec))
+
+    def step(self) -> Completed:
+        completed, self._rejected = self._rejected, []
+        for weights, requests in self._admissions().items():
+            completed += self._run(weights, requests, lambda batch: batch.admit(requests))
+        for weights in list(self._batches):
+            completed += self._run(weights, [], lambda batch: batch.step())
+        return completed
+
+    def _admissions(self) -> dict[str, list[_Request]]:
+        used = sum(r.cost() for r in self._admitted.values())
+        admitted: dict[str, list[_Request]] = {}
+        while self._pending and (not used or used + self._pending[0].cost() <= self.budget_tokens):
+            request = self._pending.popleft()
+            used += request.cost()
+            self._admitted[request.key] = request
+            admitted.setdefault(request.weights, []).append(request)
+        return admitted
+
+    def _run(self, weights: str, requests: list[_Request], action) -> Completed:
+        batch = self._batches.get(weights)
+        try:
+            if batch is None:
+                batch = self._batches[weights] = _Batch(self.backend.sampling_target(requests[0].sampler_id))
+            # Adapters load outside inference mode (their parameters must stay ordinary tensors).
+            with batch.target.activate(), torch.inference_mode():
+                done = action(batch)
+            completed: Completed = [(r.key, r.result()) for r in done]
+        except Exception as error:  # noqa: BLE001 - one weights group's failure must not fail the others
+            keys = {r.key for r in requests} | {row.request.key for row in (batch.rows if batch else [])}
+            completed = [(key, error) for key in keys]
+            if batch is not None:
+                batch.rows = []
+        for key, _ in completed:
+            self._admitted.pop(key, None)
+        if batch is not None and not batch.rows:
+            del self._batches[weights]
+            batch.target.release()
+        return completed

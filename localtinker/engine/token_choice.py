@@ -1,0 +1,50 @@
+"""Per-row token choice on the logits' own device (the portable sampler's; the CPU path keeps sampler.py's).
+
+The same rows as the CPU path (``sampler.SampleRow``: temperature, top-k, top-p, one seeded generator per
+row), so a request's seed fixes its draws on either path: each step takes one uniform per row from the row's
+generator, and the token is where it falls in the row's cumulative distribution. Logprobs are those of the
+temperature-scaled, unfiltered distribution; temperature 0 is greedy with unscaled logprobs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localtinker.engine.sampler import SampleRow
+
+
+def choose_tokens_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [rows], their logprobs [rows]) on ``logits``' device; ``logits`` is float32 [rows, vocab]."""
+    device, vocab = logits.device, logits.shape[-1]
+    temperatures = [row.temperature if row.temperature > 0 else 1.0 for row in rows]
+    if any(t != 1.0 for t in temperatures):
+        logits = logits / torch.tensor(temperatures, device=device)[:, None]
+    logprobs = logits.log_softmax(dim=-1)
+    uniforms = torch.tensor([float(torch.rand((), generator=row.generator)) for row in rows], device=device)
+    weights = _filtered(logprobs, rows).exp() if _filters(rows, vocab) else logprobs.exp()
+    cdf = weights.cumsum(dim=-1)
+    tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    last_positive = vocab - 1 - (weights.flip(-1) > 0).int().argmax(dim=-1)  # rounding at the top end
+    tokens = torch.minimum(tokens, last_positive)
+    greedy = torch.tensor([row.temperature == 0 for row in rows], device=device)
+    if bool(greedy.any()):
+        tokens = torch.where(greedy, logprobs.argmax(dim=-1), tokens)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _filters(rows: list[SampleRow], vocab: int) -> bool:
+    return any(0 < row.top_k < vocab or row.top_p < 1 for row in rows)
+
+
+def _filtered(logprobs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """``logprobs`` with -inf outside each row's top-k and top-p nucleus (the most likely token always stays)."""
+    device, vocab = logprobs.device, logprobs.shape[-1]
+    top_k = torch.tensor([row.top_k if 0 < row.top_k < vocab else vocab for row in rows], device=device)
+    top_p = torch.tensor([row.top_p for row in rows], device=device)
+    ordered, order = logprobs.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=device)[None, :]
+    probs = ordered.exp()
+    before = probs.cumsum(dim=-1) - probs
+    drop_sorted = (ranks >= top_k[:, None]) | ((before >= top_p[:, None]) & (ranks > 0))
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logprobs.masked_fill(drop, float("-inf"))

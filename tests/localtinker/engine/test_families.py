@@ -1,0 +1,109 @@
+"""The model families Tinker users train, each a tiny random model of its class (families.py): the trainer's
+logprobs and LoRA gradients equal transformers + peft's own forward (``ForCausalLM.forward``, soft caps and
+sliding windows included), and sampler logprobs equal the trainer's, on the CPU's default path and on the
+portable path (the CUDA path's code, run here on the CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from localtinker.engine.api import DatumArrays, EngineUserError, LoraSpec, SampleSpec
+from localtinker.engine.engine import LocalEngine
+from localtinker.engine.lora import LORA_ALPHA, target_module_names
+from tests.localtinker.engine.families import FAMILIES, family_dir
+
+LORA = LoraSpec(rank=4, seed=0)
+MOE_LORA = LoraSpec(rank=4, seed=0, train_mlp=False)  # fused experts take no LoRA (lora.py)
+TOLERANCE = 1e-5  # float32
+
+
+@pytest.fixture(scope="module", params=["default", "portable"])
+def engine(request, tmp_path_factory) -> LocalEngine:
+    portable = True if request.param == "portable" else None
+    return LocalEngine(tmp_path_factory.mktemp(f"families-{request.param}"), dtype="float32", portable=portable)
+
+
+def _datum(tokens: np.ndarray) -> DatumArrays:
+    return DatumArrays(tokens=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:],
+                                                            "weights": np.ones(len(tokens) - 1, np.float32)})
+
+
+def _random_lora(engine: LocalEngine, model_id: str) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    weights = {key: torch.randn(value.shape, generator=generator) * 0.05 for key, value in engine.lora_weights(model_id).items()}
+    engine._hosts[engine._models[model_id].base_name].adapters.import_weights(engine._models[model_id].adapter, weights)
+    return weights
+
+
+def _reference(family: str, lora: LoraSpec, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=LORA_ALPHA, target_modules=target_module_names(lora)))
+    named = dict(peft_model.named_parameters())
+    with torch.no_grad():
+        for key, value in weights.items():
+            module, _, kind = key.rpartition(".")
+            named[f"base_model.model.{module}.{kind}.default.weight"].copy_(value)
+    return peft_model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trainer_and_sampler_equal_the_models_own_forward(engine, family):
+    model_id = f"families:train:{family}"
+    directory = str(family_dir(family))
+    lora = MOE_LORA if family == "qwen3_moe" else LORA
+    info = engine.create_model(model_id, directory, lora)
+    config = AutoConfig.from_pretrained(directory)
+    assert (info.arch, info.max_context_length) == (config.model_type, config.max_position_embeddings)
+    weights = _random_lora(engine, model_id)
+    reference = _reference(family, lora, weights)
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, 49152, size=n) for n in (6, 20, 31)]  # past the sliding windows (8)
+    result = engine.forward_backward(model_id, [_datum(s) for s in sequences], "cross_entropy", None, False)
+    total = 0.0
+    for sequence, output in zip(sequences, result.loss_fn_outputs):
+        logits = reference(input_ids=torch.as_tensor(sequence[:-1])[None]).logits[0].float()
+        expected = logits.log_softmax(-1).gather(-1, torch.as_tensor(sequence[1:])[:, None]).squeeze(-1)
+        np.testing.assert_allclose(output["logprobs"], expected.detach().numpy(), atol=TOLERANCE, rtol=0)
+        total = total - expected.sum()
+    total.backward()
+    named = dict(reference.named_parameters())
+    for key, grad in engine.lora_grads(model_id).items():
+        module, _, kind = key.rpartition(".")
+        expected_grad = named[f"base_model.model.{module}.{kind}.default.weight"].grad
+        torch.testing.assert_close(grad, expected_grad, atol=1e-4, rtol=1e-4, msg=key)
+
+    path = engine.save_sampler_weights(model_id, "families")
+    engine.create_sampler(f"families-{family}", None, path)
+    prompts = [tuple(int(t) for t in rng.integers(0, 49152, size=n)) for n in (5, 9)]
+    specs = [SampleSpec(prompt_tokens=p, num_samples=2, max_tokens=12, seed=7, stop_token_ids=(), prompt_logprobs=True)
+             for p in prompts]
+    results = engine.sample_batch([(f"families-{family}", spec) for spec in specs])
+    for prompt, sampled in zip(prompts, results):
+        assert not isinstance(sampled, Exception), sampled
+        for sequence in sampled.sequences:
+            assert len(sequence.tokens) == 12
+            full = np.array(prompt + tuple(sequence.tokens))
+            trainer = engine.forward_backward(model_id, [_datum(full)], "cross_entropy", None, True)
+            logprobs = trainer.loss_fn_outputs[0]["logprobs"]
+            np.testing.assert_allclose(sequence.logprobs, logprobs[len(prompt) - 1 :], atol=TOLERANCE, rtol=0)
+            np.testing.assert_allclose(sampled.prompt_logprobs[1:], logprobs[: len(prompt) - 1], atol=TOLERANCE, rtol=0)
+    engine.unload_model(model_id)
+
+
+def test_gemma_soft_cap_bounds_the_logits(engine):
+    """The final-logit cap is applied: no logprob of a capped model falls below −2·cap − log(vocab)."""
+    engine.create_model("families:train:cap", str(family_dir("gemma2")), LORA)
+    tokens = np.random.default_rng(1).integers(0, 49152, size=12)
+    logprobs = engine.forward_backward("families:train:cap", [_datum(tokens)], "cross_entropy", None, True)
+    cap = AutoConfig.from_pretrained(family_dir("gemma2")).final_logit_softcapping
+    assert logprobs.loss_fn_outputs[0]["logprobs"].min() >= -2 * cap - np.log(49152) - 1e-4
+
+
+def test_moe_experts_are_refused_by_name(engine):
+    """Qwen3-MoE with MLP LoRA: a clear error naming the fused expert parameters and the way out."""
+    with pytest.raises(EngineUserError, match=r"experts\.gate_up_proj.*train_mlp=False"):
+        engine.create_model("families:train:moe", str(family_dir("qwen3_moe")), LORA)
