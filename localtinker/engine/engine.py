@@ -57,7 +57,7 @@ from localtinker.engine.losses import LOSSES, gradient_tokens, resolve_loss_conf
 from localtinker.engine.models import DTYPES, TINY_RANDOM_NAME, BaseModel, load_base_model, portable_base_model
 from localtinker.engine.optimizer import AdamState, adamw_step, validate_adam
 from localtinker.engine.packaged import SMOLLM2_NAME
-from localtinker.engine.packed_rows import packed_token_rows
+from localtinker.engine.packed_rows import device_microbatch_tokens, packed_token_rows
 from localtinker.engine.packed_training import pack_for_training
 from localtinker.engine.peft_export import CheckpointFiles, external_weights_files, save_external_weights
 from localtinker.engine import scoring
@@ -95,9 +95,9 @@ RESIDENT_SAMPLER_ADAPTERS = 2
 # costs a copy of the adapted base weights (540 MB on SmolLM2-135M): two cover an RL loop's current and
 # previous snapshot; a third set of weights sampled at the same moment runs unmerged.
 MERGED_SAMPLER_ADAPTERS = 2
-# Tokens per packed micro-batch on the portable path off the CPU: a GPU step's fixed costs (kernel launches,
-# the LoRA products' small shapes) amortise over many tokens; activations of an 8B model at 16k tokens fit
-# an 80 GB card next to its bf16 weights. On the CPU the tuned path's budget holds.
+# Most tokens per packed micro-batch on the portable path off the CPU: a GPU step's fixed costs (kernel
+# launches, the LoRA products' small shapes) amortise over many tokens; fewer where the activations would not
+# fit the free memory (packed_rows.device_microbatch_tokens). On the CPU the tuned path's budget holds.
 PORTABLE_MICROBATCH_TOKENS = 16384
 
 
@@ -269,8 +269,9 @@ class LocalEngine:
         """The portable path's forward(_backward): packed rows, chunked logprobs, loss inputs on the device."""
         device = self.device
         datums = [replace(d, loss_inputs={k: v.to(device) for k, v in d.loss_inputs.items()}) for d in datums]
-        budget = PORTABLE_MICROBATCH_TOKENS if device.type != "cpu" else TRAIN_MICROBATCH_TOKENS
         causal_lm = host.base.model
+        budget = (device_microbatch_tokens(causal_lm.config, device, PORTABLE_MICROBATCH_TOKENS)
+                  if device.type != "cpu" else TRAIN_MICROBATCH_TOKENS)
         lm_head, softcap = causal_lm.get_output_embeddings(), final_softcap(causal_lm.config)
         tokens, targets = [d.tokens for d in datums], [d.targets for d in datums]
 

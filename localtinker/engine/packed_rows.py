@@ -16,6 +16,30 @@ from localtinker.engine.portable_attention import varlen_available, varlen_rows
 from localtinker.engine.prefix_sharing import TokenRows
 
 
+# Bytes of activations a packed token keeps for the backward, per layer: ~24 hidden-sized and ~8
+# intermediate-sized bf16 tensors (norms, projections, attention output, MLP gates) — a round upper bound.
+_HIDDEN_TENSORS, _INTERMEDIATE_TENSORS, _BYTES = 24, 8, 2
+_MEMORY_SHARE = 0.6  # of the device's free memory; the rest for the logit chunks, the optimizer and slack
+
+
+def device_microbatch_tokens(config: object, device: torch.device, ceiling: int) -> int:
+    """Tokens per packed micro-batch on ``device``: as many as the activations of one fit in a share of its free
+    memory (a power of two, at least 1024, at most ``ceiling``). An 8B model on an 80 GB card takes 4096, a
+    1B one the ceiling."""
+    if device.type != "cuda":
+        return ceiling
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(text.hidden_size)
+    intermediate = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+    per_token = text.num_hidden_layers * (_HIDDEN_TENSORS * hidden + _INTERMEDIATE_TENSORS * intermediate) * _BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    fitting = int(_MEMORY_SHARE * free / per_token)
+    tokens = 1024
+    while tokens * 2 <= min(fitting, ceiling):
+        tokens *= 2
+    return tokens
+
+
 def packed_microbatches(lengths: list[int], budget: int) -> list[list[int]]:
     """Datum indices per micro-batch of at most ``budget`` tokens, in order; a longer datum runs alone."""
     batches: list[list[int]] = []
@@ -30,6 +54,14 @@ def packed_microbatches(lengths: list[int], budget: int) -> list[list[int]]:
     if current:
         batches.append(current)
     return batches
+
+
+def takes_varlen(decoder: torch.nn.Module, device: torch.device) -> bool:
+    """Whether packed rows run through the flash varlen kernel: a CUDA device, bf16/fp16 weights (flash has no
+    float32), and no attention soft cap (Gemma 2's goes through the masked product instead)."""
+    config = decoder.config.get_text_config() if hasattr(decoder.config, "get_text_config") else decoder.config
+    half = next(decoder.parameters()).dtype in (torch.bfloat16, torch.float16)
+    return varlen_available(device) and half and not getattr(config, "attn_logit_softcapping", None)
 
 
 def packed_token_rows(
@@ -49,7 +81,7 @@ def packed_rows(decoder: torch.nn.Module, indices: list[int], tokens: list[torch
     bounds = torch.tensor([0, *lengths]).cumsum(0)
     cu_seq_lens = bounds.to(device=device, dtype=torch.int32, non_blocking=True)
     longest = max(lengths)
-    with varlen_rows(varlen_available(device)):
+    with varlen_rows(takes_varlen(decoder, device)):
         hidden = decoder(
             input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
             cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=longest, max_length_k=longest,

@@ -1,0 +1,361 @@
+"""localtinker's CUDA path against plain transformers + peft on the same GPU, side by side in one run.
+
+Random-initialised bf16 weights of real shapes (no download): Llama-3.2-1B and Qwen3-0.6B with SmolLM2's
+49152-token vocabulary (the shapes of issue #45's table), Llama-3.1-8B with its own 128256. LoRA rank 32 on
+q/k/v/o/gate/up/down on both sides, AdamW. Ours: ``LocalEngine(device=DEVICE, dtype="bfloat16")`` called
+directly (no HTTP). Baselines: the loop a user would write — ``model(input_ids, labels=...)`` + backward +
+``torch.optim.AdamW``, and ``model.generate`` on the peft model.
+
+Work measured (median of a few runs after a warm-up; each side on the same weights, baseline first):
+- SFT step 8 × 512 (1B, 0.6B); 32 chat-like rows of 24–467 tokens (1B; the baseline pads per micro-batch of 8);
+- sampling 64 prompts × 128 new tokens (the baseline's ``generate`` runs fewer new tokens, its rate is per
+  token), with our share of the memory-bandwidth limit = weight bytes × decode steps / time / the card's bandwidth;
+- one GRPO-shaped step, 16 prompts × 8 samples of 64 tokens + importance-sampling training step (1B);
+- Llama-3.1-8B: SFT step 8 × 2048 (baseline with gradient checkpointing, as it needs to fit), MFU =
+  6·N·tokens / time / the card's dense bf16 peak, peak memory; sampling 64 × 128.
+Prints each figure as it goes and a summary with ratios against the goals; ``--json PATH`` writes them.
+Without CUDA it prints one line and exits 0.
+
+Usage: ``python bench/bench_gpu.py [--models 1b,0.6b,8b] [--json out.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+
+RANK = 32
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SHAPES: dict[str, dict] = {
+    "1b": dict(name="Llama-3.2-1B shape", model_type="llama", hidden_size=2048, intermediate_size=8192,
+               num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, vocab_size=49152,
+               tie_word_embeddings=True, rope_theta=500000.0),
+    "0.6b": dict(name="Qwen3-0.6B shape", model_type="qwen3", hidden_size=1024, intermediate_size=3072,
+                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                 vocab_size=49152, tie_word_embeddings=True),
+    "8b": dict(name="Llama-3.1-8B shape", model_type="llama", hidden_size=4096, intermediate_size=14336,
+               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+               tie_word_embeddings=False, rope_theta=500000.0),
+}
+# (dense bf16 FLOP/s, memory bandwidth B/s) by card, from the vendors' data sheets.
+CARDS = {"H200": (989e12, 4.8e12), "H100 PCIe": (756e12, 2.0e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12)}
+
+# --smoke: the whole flow on tiny shapes on the CPU, to check the script itself without a GPU.
+SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+DEVICE = torch.device("cuda")
+# Work sizes: (rows, length) of the SFT steps, prompts × new tokens of sampling, GRPO prompts × samples × tokens,
+# chat rows; --smoke shrinks them all.
+SIZES = dict(sft=(8, 512), sft_8b=(8, 2048), prompts=64, new=128, grpo=(16, 8, 64), chat=32)
+SMOKE_SIZES = dict(sft=(2, 64), sft_8b=(2, 64), prompts=4, new=8, grpo=(2, 2, 8), chat=8)
+results: dict[str, float | str] = {}
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else 0.0
+
+
+def reset_peak() -> None:
+    if DEVICE.type == "cuda":
+        reset_peak()
+
+
+def say(key: str, value: float | str, unit: str = "") -> None:
+    results[key] = value
+    shown = f"{value:.4g}" if isinstance(value, float) else value
+    print(f"  {key}: {shown}{unit}", flush=True)
+
+
+def card_peaks() -> tuple[float | None, float | None, str]:
+    name = torch.cuda.get_device_name()
+    for key, peaks in CARDS.items():
+        if all(part in name for part in key.split()):
+            return (*peaks, name)
+    return None, None, name
+
+
+def timed(run: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``repeats`` runs after one warm-up."""
+    run()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def build_model(shape: dict) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in shape.items() if k not in ("name", "model_type")}
+    config = AutoConfig.for_model(shape["model_type"], max_position_embeddings=8192, **fields)
+    torch.manual_seed(0)
+    with DEVICE:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model.eval().requires_grad_(False)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads: every weight but the input embedding (a lookup), the head counted once."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
+    return total + (head.numel() * head.element_size() if head is embedding else 0)
+
+
+# ----- the baseline: transformers + peft -------------------------------------------------------------------
+
+
+def peft_wrap(model: torch.nn.Module):
+    from peft import LoraConfig, get_peft_model
+
+    wrapped = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0))
+    optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-5)
+    return wrapped, optimizer
+
+
+def hf_step(wrapped, optimizer, batches: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    for input_ids, mask in batches:
+        labels = input_ids if mask is None else input_ids.masked_fill(mask == 0, -100)
+        wrapped(input_ids=input_ids, attention_mask=mask, labels=labels).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def hf_generate(wrapped, prompts: torch.Tensor, new_tokens: int, samples: int = 1) -> torch.Tensor:
+    with torch.no_grad():
+        return wrapped.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
+                                max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_return_sequences=samples,
+                                pad_token_id=0, top_k=0)
+
+
+def hf_grpo_step(wrapped, optimizer, prompts: torch.Tensor, samples: int, new_tokens: int) -> None:
+    sequences = hf_generate(wrapped, prompts, new_tokens, samples)
+    advantages = torch.randn(sequences.shape[0], device=sequences.device)
+    logits = wrapped(input_ids=sequences[:, :-1]).logits[:, prompts.shape[1] - 1 :].float()
+    logprobs = logits.log_softmax(-1).gather(-1, sequences[:, prompts.shape[1] :, None]).squeeze(-1)
+    ratio = torch.exp(logprobs - logprobs.detach())
+    (-(ratio * advantages[:, None]).sum()).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+# ----- ours: the engine ------------------------------------------------------------------------------------
+
+
+def datum(tokens: np.ndarray, **inputs: np.ndarray):
+    from localtinker.engine.api import DatumArrays
+
+    loss_inputs = {"target_tokens": tokens[1:], **inputs}
+    loss_inputs.setdefault("weights", np.ones(len(tokens) - 1, np.float32))
+    return DatumArrays(tokens=tokens[:-1], loss_fn_inputs=loss_inputs)
+
+
+def our_step(engine, model_id: str, data, loss: str = "cross_entropy") -> None:
+    from localtinker.engine.api import AdamSpec
+
+    engine.forward_backward(model_id, data, loss, None, False)
+    engine.optim_step(model_id, AdamSpec(learning_rate=1e-5))
+
+
+def our_sample(engine, sampler_id: str, prompts: np.ndarray, new_tokens: int, samples: int = 1):
+    from localtinker.engine.api import SampleSpec
+
+    specs = [SampleSpec(prompt_tokens=tuple(int(t) for t in p), num_samples=samples, max_tokens=new_tokens, seed=i,
+                        stop_token_ids=()) for i, p in enumerate(prompts)]
+    results = engine.sample_batch([(sampler_id, spec) for spec in specs])
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
+    return results
+
+
+def our_grpo_step(engine, model_id: str, prompts: np.ndarray, samples: int, new_tokens: int, step: list[int]) -> None:
+    step[0] += 1
+    sampler = f"grpo-{step[0]}"
+    engine.create_ephemeral_sampler(sampler, model_id)
+    rng = np.random.default_rng(step[0])
+    data = []
+    for prompt, result in zip(prompts, our_sample(engine, sampler, prompts, new_tokens, samples)):
+        for sequence in result.sequences:
+            tokens = np.concatenate([prompt, sequence.tokens])
+            mask = np.zeros(len(tokens) - 1, np.float32)
+            mask[len(prompt) - 1 :] = 1
+            logprobs = np.zeros(len(tokens) - 1, np.float32)
+            logprobs[len(prompt) - 1 :] = sequence.logprobs
+            data.append(datum(tokens, logprobs=logprobs, advantages=mask * rng.standard_normal()))
+    our_step(engine, model_id, data, "importance_sampling")
+
+
+# ----- one model ---------------------------------------------------------------------------------------------
+
+
+def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | None) -> None:
+    from localtinker.engine.api import LoraSpec
+
+    shape = SHAPES[key] if DEVICE.type == "cuda" else {**SHAPES[key], **SMOKE, "head_dim": 16}
+    print(f"== {shape['name']} (vocab {shape['vocab_size']}, LoRA r{RANK} attn+MLP, bf16)", flush=True)
+    model = build_model(shape)
+    params = sum(p.numel() for p in model.parameters())
+    vocab = shape["vocab_size"]
+    rng = np.random.default_rng(0)
+    big = key == "8b"
+    sft_rows, sft_length = SIZES["sft_8b"] if big else SIZES["sft"]
+    sft = rng.integers(0, vocab, size=(sft_rows, sft_length + 1))
+    count, new = SIZES["prompts"], SIZES["new"]
+    prompts = rng.integers(0, vocab, size=(count, 32))
+    base_new = new // 8 if big else new // 4
+    grpo_prompts, grpo_samples, grpo_new = SIZES["grpo"]
+    chat_rows = SIZES["chat"]
+    repeats = 2 if big else 3
+
+    # -- baseline
+    wrapped, optimizer = peft_wrap(model)
+    if big:
+        wrapped.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    reset_peak()
+    sft_gpu = torch.as_tensor(sft[:, :-1], device=DEVICE)
+    hf_sft = timed(lambda: hf_step(wrapped, optimizer, [(sft_gpu, None)]), repeats)
+    say(f"{key}.hf.sft_s", hf_sft, " s")
+    say(f"{key}.hf.sft_peak_gib", peak_gib(), " GiB")
+    if big:
+        wrapped.gradient_checkpointing_disable()
+    if not big:
+        lengths = np.clip(np.exp(rng.normal(4.7, 0.6, size=chat_rows)), 24, 467).astype(int)
+        chat = [rng.integers(0, vocab, size=n + 1) for n in lengths]
+        padded = []
+        for start in range(0, chat_rows, 8):
+            rows = chat[start : start + 8]
+            width = max(len(r) - 1 for r in rows)
+            ids = torch.zeros((len(rows), width), dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for i, r in enumerate(rows):
+                ids[i, : len(r) - 1] = torch.as_tensor(r[:-1])
+                mask[i, : len(r) - 1] = 1
+            padded.append((ids.to(DEVICE), mask.to(DEVICE)))
+        real = int(lengths.sum())
+        say(f"{key}.chat_tokens", float(real))
+        say(f"{key}.chat_padding_share", 1 - real / (chat_rows * int(lengths.max())))
+        say(f"{key}.hf.chat_s", timed(lambda: hf_step(wrapped, optimizer, padded), repeats), " s")
+    prompts_gpu = torch.as_tensor(prompts, device=DEVICE)
+    say(f"{key}.hf.sample_tok_s", count * base_new / timed(lambda: hf_generate(wrapped, prompts_gpu, base_new), 1),
+        " tok/s")
+    if key == "1b":
+        first = prompts_gpu[:grpo_prompts]
+        say(f"{key}.hf.grpo_s", timed(lambda: hf_grpo_step(wrapped, optimizer, first, grpo_samples, grpo_new), 1), " s")
+    base = wrapped.unload()
+    del wrapped, optimizer
+    gc.collect()
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
+
+    # -- ours
+    name = f"bench/{key}"
+    engine.add_base_model(name, base)
+    model_id = f"bench:train:{key}"
+    engine.create_model(model_id, name, LoraSpec(rank=RANK, seed=0, train_unembed=False))
+    reset_peak()
+    sft_data = [datum(row) for row in sft]
+    ours_sft = timed(lambda: our_step(engine, model_id, sft_data), repeats)
+    say(f"{key}.ours.sft_s", ours_sft, " s")
+    say(f"{key}.ours.sft_peak_gib", peak_gib(), " GiB")
+    say(f"{key}.sft_ratio", hf_sft / ours_sft, "x")
+    tokens = sft_rows * sft_length
+    say(f"{key}.ours.sft_tok_s", tokens / ours_sft, " tok/s")
+    if flops_peak:
+        say(f"{key}.ours.mfu_6N", 6 * params * tokens / ours_sft / flops_peak)
+        say(f"{key}.hf.mfu_6N", 6 * params * tokens / hf_sft / flops_peak)
+    if not big:
+        chat_data = [datum(row) for row in chat]
+        ours_chat = timed(lambda: our_step(engine, model_id, chat_data), repeats)
+        say(f"{key}.ours.chat_s", ours_chat, " s")
+        say(f"{key}.chat_ratio", results[f"{key}.hf.chat_s"] / ours_chat, "x")
+    engine.create_ephemeral_sampler(f"sampler-{key}", model_id)
+    ours_sample = timed(lambda: our_sample(engine, f"sampler-{key}", prompts, new), 1)
+    say(f"{key}.ours.sample_tok_s", count * new / ours_sample, " tok/s")
+    say(f"{key}.sample_ratio", count * new / ours_sample / results[f"{key}.hf.sample_tok_s"], "x")
+    if bandwidth:
+        say(f"{key}.ours.bandwidth_share", weight_bytes(base) * new / ours_sample / bandwidth)
+    if key == "1b":
+        step = [0]
+        ours_grpo = timed(lambda: our_grpo_step(engine, model_id, prompts[:grpo_prompts], grpo_samples, grpo_new, step), 1)
+        say(f"{key}.ours.grpo_s", ours_grpo, " s")
+        say(f"{key}.grpo_ratio", results[f"{key}.hf.grpo_s"] / ours_grpo, "x")
+    say(f"{key}.peak_gib", peak_gib(), " GiB")
+    engine.unload_model(model_id)
+    engine._hosts.pop(name, None)
+    engine._samplers.clear()
+    del base
+    gc.collect()
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+GOALS = [("1b.sft_ratio", 2.0), ("0.6b.sft_ratio", 2.0), ("1b.chat_ratio", 4.0), ("1b.sample_ratio", 20.0),
+         ("0.6b.sample_ratio", 20.0), ("1b.ours.bandwidth_share", 0.25), ("8b.ours.bandwidth_share", 0.25),
+         ("1b.grpo_ratio", 5.0), ("8b.ours.mfu_6N", 0.40)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="1b,0.6b,8b")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks this script, measures nothing")
+    args = parser.parse_args()
+    global DEVICE
+    if args.smoke:
+        DEVICE = torch.device("cpu")
+        SIZES.update(SMOKE_SIZES)
+    elif not torch.cuda.is_available():
+        print(f"bench_gpu: skipped, this torch ({torch.__version__}) sees no CUDA GPU")
+        return 0
+    from localtinker.engine.engine import LocalEngine
+
+    flops_peak, bandwidth, card = card_peaks() if DEVICE.type == "cuda" else (None, None, "cpu (smoke)")
+    print(f"bench_gpu on {card}: peak bf16 {flops_peak and flops_peak / 1e12} TFLOP/s, bandwidth "
+          f"{bandwidth and bandwidth / 1e12} TB/s (data sheet); torch {torch.__version__}", flush=True)
+    results["card"] = card
+    engine = LocalEngine(Path(tempfile.mkdtemp(prefix="bench-gpu-")), dtype="bfloat16", device=DEVICE, portable=True)
+    for key in args.models.split(","):
+        try:
+            bench_model(key, engine, flops_peak, bandwidth)
+        except Exception as error:  # noqa: BLE001 - report what failed and go on with the next shape
+            print(f"  {key}: FAILED {type(error).__name__}: {error}", flush=True)
+            results[f"{key}.error"] = f"{type(error).__name__}: {error}"
+            gc.collect()
+            if DEVICE.type == "cuda":
+                torch.cuda.empty_cache()
+    print("== goals (issue #45): measured / goal", flush=True)
+    for key, goal in GOALS:
+        value = results.get(key)
+        verdict = "n/a" if not isinstance(value, float) else ("met" if value >= goal else "not met")
+        shown = f"{value:.3g}" if isinstance(value, float) else "-"
+        print(f"  {key}: {shown} / {goal:g} {verdict}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

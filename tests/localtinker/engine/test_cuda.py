@@ -1,0 +1,108 @@
+"""The CUDA path on a real GPU (``make test-gpu``; skipped without one): every family against transformers +
+peft in float32, and in bf16 the trainer against the model's own forward and the sampler against the trainer,
+within the rounding of bf16 activations; weights stay bf16 on the device, LoRA and Adam state float32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from localtinker.engine.api import AdamSpec, LoraSpec, SampleSpec
+from localtinker.engine.engine import LocalEngine
+from localtinker.engine.packed_rows import takes_varlen
+from tests.localtinker.engine.families import FAMILIES, family_dir
+from tests.localtinker.engine.reference import TINY, sft_datum
+from tests.localtinker.engine.test_families import check_family
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+# bf16 on either side: logprobs of the same tokens through different kernels and batch shapes
+BF16_MEAN, BF16_MAX = 0.02, 0.15
+
+
+@pytest.fixture(scope="module")
+def cuda_float32(tmp_path_factory) -> LocalEngine:
+    return LocalEngine(tmp_path_factory.mktemp("cuda-f32"), dtype="float32", device="cuda")
+
+
+@pytest.fixture(scope="module")
+def cuda_bf16(tmp_path_factory) -> LocalEngine:
+    return LocalEngine(tmp_path_factory.mktemp("cuda-bf16"), dtype="bfloat16", device="cuda")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_families_in_float32_on_the_gpu(cuda_float32, family):
+    check_family(cuda_float32, family, tolerance=1e-4)
+
+
+def _random_b(engine: LocalEngine, model_id: str) -> None:
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for key, param in engine._models[model_id].params.items():
+            if key.endswith("lora_B"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+
+
+def _trainer(engine: LocalEngine, model_id: str, tokens: np.ndarray) -> np.ndarray:
+    datum = sft_datum(np.random.default_rng(0), 1)
+    datum.tokens = tokens[:-1]
+    datum.loss_fn_inputs = {"target_tokens": tokens[1:], "weights": np.ones(len(tokens) - 1, np.float32)}
+    return engine.forward_backward(model_id, [datum], "cross_entropy", None, True).loss_fn_outputs[0]["logprobs"]
+
+
+def test_bf16_weights_stay_bf16_on_the_device(cuda_bf16):
+    cuda_bf16.create_model("cuda:train:dtypes", TINY, LoraSpec(rank=4, seed=0))
+    model = cuda_bf16._models["cuda:train:dtypes"]
+    base = cuda_bf16._hosts[TINY].base.model
+    assert {(p.dtype, p.device.type) for n, p in base.named_parameters() if "lora" not in n} == {(torch.bfloat16, "cuda")}
+    assert {(p.dtype, p.device.type) for p in model.params.values()} == {(torch.float32, "cuda")}
+    rng = np.random.default_rng(0)
+    cuda_bf16.forward_backward("cuda:train:dtypes", [sft_datum(rng, 40), sft_datum(rng, 7)], "cross_entropy", None, False)
+    cuda_bf16.optim_step("cuda:train:dtypes", AdamSpec(learning_rate=1e-3))
+    assert {(m.dtype, m.device.type) for m in model.adam.exp_avg.values()} == {(torch.float32, "cuda")}
+    assert takes_varlen(base.get_decoder(), torch.device("cuda"))  # packed rows through flash varlen
+
+
+def test_bf16_trainer_matches_the_models_own_forward(cuda_bf16):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from localtinker.engine.lora import LORA_ALPHA, target_module_names
+
+    lora = LoraSpec(rank=4, seed=0)
+    cuda_bf16.create_model("cuda:train:hf", str(family_dir("llama")), lora)
+    _random_b(cuda_bf16, "cuda:train:hf")
+    reference = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(family_dir("llama"), dtype=torch.bfloat16).cuda(),
+        LoraConfig(r=4, lora_alpha=LORA_ALPHA, target_modules=target_module_names(lora)),
+    )
+    named = dict(reference.named_parameters())
+    with torch.no_grad():
+        for key, value in cuda_bf16.lora_weights("cuda:train:hf").items():
+            module, _, kind = key.rpartition(".")
+            named[f"base_model.model.{module}.{kind}.default.weight"].copy_(value)
+    tokens = np.random.default_rng(5).integers(0, 49152, size=300)
+    ours = _trainer(cuda_bf16, "cuda:train:hf", tokens)
+    with torch.no_grad():
+        logits = reference(input_ids=torch.as_tensor(tokens[:-1], device="cuda")[None]).logits[0].float()
+    expected = logits.log_softmax(-1).gather(-1, torch.as_tensor(tokens[1:], device="cuda")[:, None]).squeeze(-1).cpu()
+    errors = np.abs(ours - expected.numpy())
+    assert errors.mean() < BF16_MEAN and errors.max() < BF16_MAX, (errors.mean(), errors.max())
+
+
+def test_bf16_sampler_matches_the_trainer(cuda_bf16):
+    cuda_bf16.create_model("cuda:train:sample", TINY, LoraSpec(rank=4, seed=1))
+    _random_b(cuda_bf16, "cuda:train:sample")
+    cuda_bf16.create_ephemeral_sampler("cuda-sampler", "cuda:train:sample")
+    specs = [SampleSpec(prompt_tokens=tuple(range(100 + 7 * i, 120 + 9 * i)), num_samples=4, max_tokens=24, seed=i,
+                        stop_token_ids=()) for i in range(4)]
+    errors = []
+    for spec, result in zip(specs, cuda_bf16.sample_batch([("cuda-sampler", spec) for spec in specs])):
+        assert not isinstance(result, Exception), result
+        for sequence in result.sequences:
+            full = np.array(spec.prompt_tokens + tuple(sequence.tokens))
+            trainer = _trainer(cuda_bf16, "cuda:train:sample", full)[len(spec.prompt_tokens) - 1 :]
+            errors.append(np.abs(np.array(sequence.logprobs) - trainer))
+    errors = np.concatenate(errors)
+    assert errors.mean() < BF16_MEAN and errors.max() < BF16_MAX, (errors.mean(), errors.max())

@@ -1,0 +1,125 @@
+"""The portable path (what a CUDA device runs), exercised on the CPU: packed rows and chunked logprobs equal
+the tuned CPU path, and the KV-cache sampler batches continuously (requests join mid-decode, rows leave),
+honours greedy, top-k, stop ids and prompt logprobs, and agrees with the trainer (float32 ≤ 1e-5; bf16 within
+the rounding of bf16 activations)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from localtinker.engine import chunked_logprobs, engine as engine_module
+from localtinker.engine.api import LoraSpec, SampleSpec
+from localtinker.engine.engine import LocalEngine
+from localtinker.engine.packed_rows import packed_microbatches
+from tests.localtinker.engine.reference import TINY, sft_datum
+
+LORA = LoraSpec(rank=4, seed=5)
+
+
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory) -> LocalEngine:
+    return LocalEngine(tmp_path_factory.mktemp("portable"), dtype="float32", portable=True)
+
+
+def _randomise_b(engine: LocalEngine, model_id: str) -> None:
+    generator = torch.Generator().manual_seed(1)
+    model = engine._models[model_id]
+    with torch.no_grad():
+        for key, param in model.params.items():
+            if key.endswith("lora_B"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+
+
+def test_packing_keeps_order_and_budget():
+    assert packed_microbatches([5, 5, 5, 20, 3], budget=12) == [[0, 1], [2], [3], [4]]
+
+
+def test_packed_rows_equal_the_tuned_path(portable, engine, new_id, monkeypatch):
+    monkeypatch.setattr(engine_module, "TRAIN_MICROBATCH_TOKENS", 24)  # several packed micro-batches
+    monkeypatch.setattr(chunked_logprobs, "LOGIT_CHUNK_TOKENS", 7)  # several logit chunks per micro-batch
+    rng = np.random.default_rng(4)
+    data = [sft_datum(rng, n) for n in (3, 17, 9, 30, 5)]
+    results = {}
+    for name, eng in (("portable", portable), ("tuned", engine)):
+        model_id = new_id()
+        eng.create_model(model_id, TINY, LORA)
+        _randomise_b(eng, model_id)
+        results[name] = (eng.forward_backward(model_id, data, "cross_entropy", None, False), eng.lora_grads(model_id))
+    (ours, our_grads), (tuned, tuned_grads) = results["portable"], results["tuned"]
+    for a, b in zip(ours.loss_fn_outputs, tuned.loss_fn_outputs):
+        np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=1e-5, rtol=0)
+    assert ours.metrics["loss:sum"] == pytest.approx(tuned.metrics["loss:sum"], rel=1e-6)
+    for key, grad in our_grads.items():
+        torch.testing.assert_close(grad, tuned_grads[key], atol=1e-5, rtol=1e-4, msg=key)
+
+
+def _trainer_logprobs(engine: LocalEngine, model_id: str, prompt: tuple[int, ...], tokens: list[int]) -> np.ndarray:
+    full = np.array(prompt + tuple(tokens))
+    datum = sft_datum(np.random.default_rng(0), 1)
+    datum.tokens = full[:-1]
+    datum.loss_fn_inputs = {"target_tokens": full[1:], "weights": np.ones(len(full) - 1, np.float32)}
+    return engine.forward_backward(model_id, [datum], "cross_entropy", None, True).loss_fn_outputs[0]["logprobs"][len(prompt) - 1 :]
+
+
+def test_requests_join_mid_decode_and_agree_with_the_trainer(portable, new_id):
+    model_id = new_id()
+    portable.create_model(model_id, TINY, LORA)
+    _randomise_b(portable, model_id)
+    portable.create_ephemeral_sampler("portable-join", model_id)
+    stream = portable.sample_stream()
+    first = SampleSpec(prompt_tokens=tuple(range(100, 112)), num_samples=3, max_tokens=10, seed=1, stop_token_ids=())
+    late = SampleSpec(prompt_tokens=tuple(range(300, 304)), num_samples=2, max_tokens=4, seed=2, stop_token_ids=())
+    stream.submit("first", "portable-join", first)
+    done = {}
+    for step in range(30):
+        if step == 3:
+            stream.submit("late", "portable-join", late)
+        done.update(dict(stream.step()))
+        if not stream.busy:
+            break
+    assert set(done) == {"first", "late"} and not stream.busy
+    for key, spec in (("first", first), ("late", late)):
+        assert [len(s.tokens) for s in done[key].sequences] == [spec.max_tokens] * spec.num_samples
+        for sequence in done[key].sequences:
+            expected = _trainer_logprobs(portable, model_id, spec.prompt_tokens, sequence.tokens)
+            np.testing.assert_allclose(sequence.logprobs, expected, atol=1e-5, rtol=0)
+
+
+def test_greedy_top_k_and_stop_ids(portable, new_id):
+    model_id = new_id()
+    portable.create_model(model_id, TINY, LORA)
+    portable.create_ephemeral_sampler("portable-choice", model_id)
+    prompt = tuple(range(50, 60))
+    greedy, top1 = portable.sample_batch([
+        ("portable-choice", SampleSpec(prompt_tokens=prompt, max_tokens=5, temperature=0.0, stop_token_ids=())),
+        ("portable-choice", SampleSpec(prompt_tokens=prompt, max_tokens=5, top_k=1, seed=3, stop_token_ids=())),
+    ])
+    assert greedy.sequences[0].tokens == top1.sequences[0].tokens
+    stop_at = greedy.sequences[0].tokens[2]
+    stopped = portable.sample_batch([("portable-choice", SampleSpec(
+        prompt_tokens=prompt, max_tokens=5, temperature=0.0, stop_token_ids=(stop_at,), prompt_logprobs=True))])[0]
+    assert stopped.sequences[0].stop_reason == "stop" and stopped.sequences[0].tokens[-1] == stop_at
+    assert stopped.prompt_logprobs[0] is None and len(stopped.prompt_logprobs) == len(prompt)
+    zero = portable.sample_batch([("portable-choice", SampleSpec(prompt_tokens=prompt, max_tokens=0))])[0]
+    assert zero.sequences[0].tokens == []
+
+
+def test_bf16_sampler_agrees_with_the_trainer(tmp_path, new_id):
+    """bf16 weights on the portable path (as on a GPU): sampler and trainer differ only by bf16 rounding of
+    activations computed in different batch shapes (decode steps against a packed row)."""
+    engine = LocalEngine(tmp_path, dtype="bfloat16", portable=True)
+    model_id = new_id()
+    engine.create_model(model_id, TINY, LORA)
+    assert all(p.dtype == torch.float32 for p in engine._models[model_id].params.values())
+    base_weights = [p for n, p in engine._hosts[TINY].base.model.named_parameters() if "lora" not in n]
+    assert {p.dtype for p in base_weights} == {torch.bfloat16}  # no float32 copy of a base weight
+    engine.create_ephemeral_sampler("portable-bf16", model_id)
+    spec = SampleSpec(prompt_tokens=tuple(range(10, 30)), num_samples=4, max_tokens=8, seed=4, stop_token_ids=())
+    result = engine.sample_batch([("portable-bf16", spec)])[0]
+    errors = np.concatenate([
+        np.abs(np.array(s.logprobs) - _trainer_logprobs(engine, model_id, spec.prompt_tokens, s.tokens))
+        for s in result.sequences
+    ])
+    assert errors.mean() < 0.02 and errors.max() < 0.1, (errors.mean(), errors.max())
