@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot check of localtinker's CUDA path on a machine with a CUDA GPU, torch, transformers and peft but no
 # package index: installs any wheels it is handed, runs the `gpu` tests and bench/bench_gpu.py, and writes a
-# report (printed too). Under 8 minutes on one H100.
+# report (printed too). Under 8 minutes on one H100 (tests ≤ 100 s, bench ≤ 270 s).
 #
 #   bash scripts/gpu_check.sh                 # report in ./gpu-report/ (or $OUT/ when set)
 #   WHEELS=dir bash scripts/gpu_check.sh      # install dir/*.whl first (default: .whl/ when present)
@@ -27,9 +27,9 @@ fi
   "$PY" -c "import torch, transformers, peft; print(f'torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, peft {peft.__version__}')"
   echo
   echo "## make test-gpu (tests/localtinker/engine/test_cuda.py)"
-  timeout 240 "$PY" -m pytest -q -rs --noconftest -p no:cacheprovider -m gpu tests/localtinker/engine/test_cuda.py 2>&1 \
+  timeout 100 "$PY" -m pytest -q -rs --noconftest -p no:cacheprovider -m gpu tests/localtinker/engine/test_cuda.py 2>&1 \
     | grep -vE "Warning|warnings.warn|^$|Loading weights|Writing model" | tail -40
   echo
   echo "## bench/bench_gpu.py"
-  timeout 300 "$PY" bench/bench_gpu.py --json "$REPORT_DIR/bench_gpu.json" 2>&1 | grep -vE "Warning|warnings.warn|^$|Loading weights"
+  timeout 270 "$PY" bench/bench_gpu.py --json "$REPORT_DIR/bench_gpu.json" 2>&1 | grep -vE "Warning|warnings.warn|^$|Loading weights"
 } 2>&1 | tee "$REPORT"
