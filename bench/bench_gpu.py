@@ -60,7 +60,7 @@ DEVICE = torch.device("cuda")
 # Work sizes: (rows, length) of the SFT steps, prompts × new tokens of sampling, GRPO prompts × samples × tokens,
 # chat rows; --smoke shrinks them all.
 SIZES = dict(sft=(8, 512), sft_8b=(8, 2048), prompts=64, new=128, grpo=(16, 8, 64), chat=32)
-SMOKE_SIZES = dict(sft=(2, 64), sft_8b=(2, 64), prompts=4, new=8, grpo=(2, 2, 8), chat=8)
+SMOKE_SIZES = dict(sft=(2, 32), sft_8b=(2, 32), prompts=2, new=4, grpo=(2, 2, 4), chat=8)
 results: dict[str, float | str] = {}
 
 
@@ -75,7 +75,7 @@ def peak_gib() -> float:
 
 def reset_peak() -> None:
     if DEVICE.type == "cuda":
-        reset_peak()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def say(key: str, value: float | str, unit: str = "") -> None:
@@ -225,46 +225,53 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
     sft = rng.integers(0, vocab, size=(sft_rows, sft_length + 1))
     count, new = SIZES["prompts"], SIZES["new"]
     prompts = rng.integers(0, vocab, size=(count, 32))
-    base_new = new // 8 if big else new // 4
+    base_new = max(1, new // 8 if big else new // 4)
     grpo_prompts, grpo_samples, grpo_new = SIZES["grpo"]
     chat_rows = SIZES["chat"]
     repeats = 2 if big else 3
 
-    # -- baseline
+    lengths = np.clip(np.exp(rng.normal(4.7, 0.6, size=chat_rows)), 24, 467).astype(int)  # chat-like rows
+    chat = [rng.integers(0, vocab, size=n + 1) for n in lengths]
+
+    # -- baseline (a failure is reported and ours still runs)
     wrapped, optimizer = peft_wrap(model)
-    if big:
-        wrapped.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    reset_peak()
-    sft_gpu = torch.as_tensor(sft[:, :-1], device=DEVICE)
-    hf_sft = timed(lambda: hf_step(wrapped, optimizer, [(sft_gpu, None)]), repeats)
-    say(f"{key}.hf.sft_s", hf_sft, " s")
-    say(f"{key}.hf.sft_peak_gib", peak_gib(), " GiB")
-    if big:
-        wrapped.gradient_checkpointing_disable()
-    if not big:
-        lengths = np.clip(np.exp(rng.normal(4.7, 0.6, size=chat_rows)), 24, 467).astype(int)
-        chat = [rng.integers(0, vocab, size=n + 1) for n in lengths]
-        padded = []
-        for start in range(0, chat_rows, 8):
-            rows = chat[start : start + 8]
-            width = max(len(r) - 1 for r in rows)
-            ids = torch.zeros((len(rows), width), dtype=torch.long)
-            mask = torch.zeros((len(rows), width), dtype=torch.long)
-            for i, r in enumerate(rows):
-                ids[i, : len(r) - 1] = torch.as_tensor(r[:-1])
-                mask[i, : len(r) - 1] = 1
-            padded.append((ids.to(DEVICE), mask.to(DEVICE)))
-        real = int(lengths.sum())
-        say(f"{key}.chat_tokens", float(real))
-        say(f"{key}.chat_padding_share", 1 - real / (chat_rows * int(lengths.max())))
-        say(f"{key}.hf.chat_s", timed(lambda: hf_step(wrapped, optimizer, padded), repeats), " s")
-    prompts_gpu = torch.as_tensor(prompts, device=DEVICE)
-    say(f"{key}.hf.sample_tok_s", count * base_new / timed(lambda: hf_generate(wrapped, prompts_gpu, base_new), 1),
-        " tok/s")
-    if key == "1b":
-        first = prompts_gpu[:grpo_prompts]
-        say(f"{key}.hf.grpo_s", timed(lambda: hf_grpo_step(wrapped, optimizer, first, grpo_samples, grpo_new), 1), " s")
-    base = wrapped.unload()
+    wrapped.train()  # transformers checkpoints activations only in training mode (no dropout in these configs)
+    try:
+        if big:
+            wrapped.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        reset_peak()
+        sft_gpu = torch.as_tensor(sft[:, :-1], device=DEVICE)
+        hf_sft = timed(lambda: hf_step(wrapped, optimizer, [(sft_gpu, None)]), repeats)
+        say(f"{key}.hf.sft_s", hf_sft, " s")
+        say(f"{key}.hf.sft_peak_gib", peak_gib(), " GiB")
+        if big:
+            wrapped.gradient_checkpointing_disable()
+        if not big:
+            padded = []
+            for start in range(0, chat_rows, 8):
+                rows = chat[start : start + 8]
+                width = max(len(r) - 1 for r in rows)
+                ids = torch.zeros((len(rows), width), dtype=torch.long)
+                mask = torch.zeros((len(rows), width), dtype=torch.long)
+                for i, r in enumerate(rows):
+                    ids[i, : len(r) - 1] = torch.as_tensor(r[:-1])
+                    mask[i, : len(r) - 1] = 1
+                padded.append((ids.to(DEVICE), mask.to(DEVICE)))
+            real = int(lengths.sum())
+            say(f"{key}.chat_tokens", float(real))
+            say(f"{key}.chat_padding_share", 1 - real / (chat_rows * int(lengths.max())))
+            say(f"{key}.hf.chat_s", timed(lambda: hf_step(wrapped, optimizer, padded), repeats), " s")
+        prompts_gpu = torch.as_tensor(prompts, device=DEVICE)
+        say(f"{key}.hf.sample_tok_s", count * base_new / timed(lambda: hf_generate(wrapped, prompts_gpu, base_new), 1),
+            " tok/s")
+        if key == "1b":
+            first = prompts_gpu[:grpo_prompts]
+            say(f"{key}.hf.grpo_s", timed(lambda: hf_grpo_step(wrapped, optimizer, first, grpo_samples, grpo_new), 1), " s")
+    except Exception as error:  # noqa: BLE001
+        say(f"{key}.hf.error", f"{type(error).__name__}: {error}")
+    finally:
+        optimizer.zero_grad(set_to_none=True)
+    base = wrapped.unload().eval()
     del wrapped, optimizer
     gc.collect()
     if DEVICE.type == "cuda":
@@ -280,28 +287,34 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
     ours_sft = timed(lambda: our_step(engine, model_id, sft_data), repeats)
     say(f"{key}.ours.sft_s", ours_sft, " s")
     say(f"{key}.ours.sft_peak_gib", peak_gib(), " GiB")
-    say(f"{key}.sft_ratio", hf_sft / ours_sft, "x")
+    hf_sft = results.get(f"{key}.hf.sft_s")
+    if hf_sft:
+        say(f"{key}.sft_ratio", hf_sft / ours_sft, "x")
     tokens = sft_rows * sft_length
     say(f"{key}.ours.sft_tok_s", tokens / ours_sft, " tok/s")
     if flops_peak:
         say(f"{key}.ours.mfu_6N", 6 * params * tokens / ours_sft / flops_peak)
-        say(f"{key}.hf.mfu_6N", 6 * params * tokens / hf_sft / flops_peak)
+        if hf_sft:
+            say(f"{key}.hf.mfu_6N", 6 * params * tokens / hf_sft / flops_peak)
     if not big:
         chat_data = [datum(row) for row in chat]
         ours_chat = timed(lambda: our_step(engine, model_id, chat_data), repeats)
         say(f"{key}.ours.chat_s", ours_chat, " s")
-        say(f"{key}.chat_ratio", results[f"{key}.hf.chat_s"] / ours_chat, "x")
+        if f"{key}.hf.chat_s" in results:
+            say(f"{key}.chat_ratio", results[f"{key}.hf.chat_s"] / ours_chat, "x")
     engine.create_ephemeral_sampler(f"sampler-{key}", model_id)
     ours_sample = timed(lambda: our_sample(engine, f"sampler-{key}", prompts, new), 1)
     say(f"{key}.ours.sample_tok_s", count * new / ours_sample, " tok/s")
-    say(f"{key}.sample_ratio", count * new / ours_sample / results[f"{key}.hf.sample_tok_s"], "x")
+    if f"{key}.hf.sample_tok_s" in results:
+        say(f"{key}.sample_ratio", count * new / ours_sample / results[f"{key}.hf.sample_tok_s"], "x")
     if bandwidth:
         say(f"{key}.ours.bandwidth_share", weight_bytes(base) * new / ours_sample / bandwidth)
     if key == "1b":
         step = [0]
         ours_grpo = timed(lambda: our_grpo_step(engine, model_id, prompts[:grpo_prompts], grpo_samples, grpo_new, step), 1)
         say(f"{key}.ours.grpo_s", ours_grpo, " s")
-        say(f"{key}.grpo_ratio", results[f"{key}.hf.grpo_s"] / ours_grpo, "x")
+        if f"{key}.hf.grpo_s" in results:
+            say(f"{key}.grpo_ratio", results[f"{key}.hf.grpo_s"] / ours_grpo, "x")
     say(f"{key}.peak_gib", peak_gib(), " GiB")
     engine.unload_model(model_id)
     engine._hosts.pop(name, None)

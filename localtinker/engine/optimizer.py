@@ -71,7 +71,7 @@ def adamw_step(params: dict[str, torch.nn.Parameter], state: AdamState, spec: Ad
         if clip_coef < 1.0:
             grads = {key: g * clip_coef for key, g in grads.items()}
     state.step += 1
-    update_sq = 0.0
+    updates = []  # squared update per tensor, summed once at the end: one device sync per step, not per tensor
     for key, grad in grads.items():
         param = params[key]
         step = state.param_steps.get(key, 0) + 1
@@ -84,8 +84,9 @@ def adamw_step(params: dict[str, torch.nn.Parameter], state: AdamState, spec: Ad
         param.mul_(1 - spec.learning_rate * spec.weight_decay)
         denom = (exp_avg_sq.sqrt() / math.sqrt(1 - spec.beta2**step)).add_(spec.eps)
         param.addcdiv_(exp_avg, denom, value=-spec.learning_rate / (1 - spec.beta1**step))
-        update_sq += float((param - before).pow(2).sum())
+        updates.append((param - before).pow(2).sum())
         param.grad = None
+    update_sq = float(torch.stack(updates).double().sum()) if updates else 0.0
     return {
         "grad_norm": grad_norm,
         "learning_rate": spec.learning_rate,
