@@ -27,8 +27,9 @@ from localtinker.engine.sample_stream import SamplingTarget
 def next_token_logprobs(target: SamplingTarget, tokens: list[int], temperature: float) -> torch.Tensor:
     """float32 [len(tokens), vocab]: row i is the temperature-scaled distribution of token i + 1."""
     with torch.no_grad(), target.activate():
-        logits = target.model(input_ids=torch.tensor([tokens], dtype=torch.long)).logits[0].float()
-    return torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+        device = next(target.model.parameters()).device  # the engine's device (CPU or CUDA path)
+        logits = target.model(input_ids=torch.tensor([tokens], dtype=torch.long, device=device)).logits[0].float()
+    return torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1).cpu()
 
 
 def _topk(rows: torch.Tensor, k: int, masked_first: bool) -> TopK:
