@@ -12,7 +12,7 @@ Work measured (median of a few runs after a warm-up; each side on the same weigh
   token), with our share of the memory-bandwidth limit = weight bytes × decode steps / time / the card's bandwidth;
 - one GRPO-shaped step, 16 prompts × 8 samples of 64 tokens + importance-sampling training step (1B);
 - Llama-3.1-8B: SFT step 8 × 2048 (baseline with gradient checkpointing, as it needs to fit), MFU =
-  6·N·tokens / time / the card's dense bf16 peak, peak memory; sampling 64 × 128.
+  6·N·tokens / time / the card's dense bf16 peak, peak memory; sampling 64 × 128, and 64 × 512 with its peak memory.
 Prints each figure as it goes and a summary with ratios against the goals; ``--json PATH`` writes them.
 Without CUDA it prints one line and exits 0.
 
@@ -93,7 +93,12 @@ def card_peaks() -> tuple[float | None, float | None, str]:
 
 
 def timed(run: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``repeats`` runs after one warm-up."""
+    """Median seconds of ``repeats`` runs after one warm-up (0 repeats: the one run, no warm-up)."""
+    if repeats == 0:
+        start = time.perf_counter()
+        run()
+        sync()
+        return time.perf_counter() - start
     run()
     sync()
     times = []
@@ -309,6 +314,11 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
         say(f"{key}.sample_ratio", count * new / ours_sample / results[f"{key}.hf.sample_tok_s"], "x")
     if bandwidth:
         say(f"{key}.ours.bandwidth_share", weight_bytes(base) * new / ours_sample / bandwidth)
+    if big:  # the issue's memory check: 64 × 512 sampled on the same card that trained 8 × 2048
+        reset_peak()
+        long_run = timed(lambda: our_sample(engine, f"sampler-{key}", prompts, 4 * new), 0)
+        say(f"{key}.ours.sample_64x{4 * new}_s", long_run, " s")
+        say(f"{key}.ours.sample_64x{4 * new}_peak_gib", peak_gib(), " GiB")
     if key == "1b":
         step = [0]
         ours_grpo = timed(lambda: our_grpo_step(engine, model_id, prompts[:grpo_prompts], grpo_samples, grpo_new, step), 1)

@@ -375,7 +375,7 @@ class LocalEngine:
         with self._lock:
             model = self._model(model_id)
             validate_adam(adam)
-            metrics = adamw_step(model.params, model.adam, adam)
+            metrics = adamw_step(model.params, model.adam, adam, foreach=self.device.type != "cpu")
             model.version += 1
             self._drop_retained(model_id)
             return metrics

@@ -60,8 +60,11 @@ def validate_adam(spec: AdamSpec) -> None:
 
 
 @torch.no_grad()
-def adamw_step(params: dict[str, torch.nn.Parameter], state: AdamState, spec: AdamSpec) -> dict[str, float]:
-    """Applies one AdamW update to the ``params`` that have a ``.grad``, then clears grads."""
+def adamw_step(params: dict[str, torch.nn.Parameter], state: AdamState, spec: AdamSpec,
+               foreach: bool = False) -> dict[str, float]:
+    """Applies one AdamW update to the ``params`` that have a ``.grad``, then clears grads. ``foreach``: the same
+    arithmetic in multi-tensor kernels (:func:`_foreach_update`), for a GPU, where the per-tensor loop's ~10
+    launches per LoRA tensor (224 tensors on a 1B model) cost more than the arithmetic."""
     validate_adam(spec)
     grads = {key: p.grad.float() for key, p in params.items() if p.grad is not None}
     norms = [torch.linalg.vector_norm(g) for g in grads.values()]
@@ -71,6 +74,10 @@ def adamw_step(params: dict[str, torch.nn.Parameter], state: AdamState, spec: Ad
         if clip_coef < 1.0:
             grads = {key: g * clip_coef for key, g in grads.items()}
     state.step += 1
+    if foreach and grads:
+        update_sq = _foreach_update(params, grads, state, spec)
+        return {"grad_norm": grad_norm, "learning_rate": spec.learning_rate, "update_norm": math.sqrt(update_sq),
+                "step": float(state.step)}
     updates = []  # squared update per tensor, summed once at the end: one device sync per step, not per tensor
     for key, grad in grads.items():
         param = params[key]
@@ -93,3 +100,30 @@ def adamw_step(params: dict[str, torch.nn.Parameter], state: AdamState, spec: Ad
         "update_norm": math.sqrt(update_sq),
         "step": float(state.step),
     }
+
+
+def _foreach_update(params: dict[str, torch.nn.Parameter], grads: dict[str, torch.Tensor], state: AdamState,
+                    spec: AdamSpec) -> float:
+    """The loop of :func:`adamw_step` over all tensors at once; returns the squared update norm."""
+    keys = list(grads)
+    steps = []
+    for key in keys:
+        steps.append(state.param_steps.get(key, 0) + 1)
+        state.param_steps[key] = steps[-1]
+    values = [params[key].detach() for key in keys]
+    gradients = [grads[key] for key in keys]
+    first = [state.exp_avg.setdefault(key, torch.zeros_like(grads[key])) for key in keys]
+    second = [state.exp_avg_sq.setdefault(key, torch.zeros_like(grads[key])) for key in keys]
+    torch._foreach_lerp_(first, gradients, 1 - spec.beta1)
+    torch._foreach_mul_(second, spec.beta2)
+    torch._foreach_addcmul_(second, gradients, gradients, value=1 - spec.beta2)
+    before = torch._foreach_mul(values, 1.0)
+    torch._foreach_mul_(values, 1 - spec.learning_rate * spec.weight_decay)
+    denominators = torch._foreach_sqrt(second)
+    torch._foreach_div_(denominators, [math.sqrt(1 - spec.beta2**step) for step in steps])
+    torch._foreach_add_(denominators, spec.eps)
+    torch._foreach_addcdiv_(values, first, denominators, [-spec.learning_rate / (1 - spec.beta1**step) for step in steps])
+    squares = [(after - old).pow(2).sum() for after, old in zip(values, before)]
+    for key in keys:
+        params[key].grad = None
+    return float(torch.stack(squares).double().sum())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from localtinker.engine.api import AdamSpec
@@ -56,3 +57,28 @@ def test_optim_step_with_no_gradient_at_all_changes_nothing():
 def test_old_checkpoints_without_per_tensor_steps_count_the_global_step():
     tensors = {"exp_avg/p": torch.zeros(2), "exp_avg_sq/p": torch.zeros(2)}
     assert AdamState.from_tensors(7, tensors).param_steps == {"p": 7}
+
+
+def test_foreach_update_equals_the_loop():
+    """The GPU path's multi-tensor AdamW (``foreach=True``) is the loop's arithmetic, tensor for tensor,
+    including per-tensor step counts (one tensor skips a step) and weight decay."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = {"a": (3, 4), "b": (5,), "c": (2, 2)}
+    weights = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}
+    runs = {}
+    for foreach in (False, True):
+        params = {key: torch.nn.Parameter(value.clone()) for key, value in weights.items()}
+        state = AdamState()
+        metrics = []
+        for step in range(3):
+            for key, param in params.items():
+                param.grad = None if (step == 1 and key == "b") else torch.randn(param.shape, generator=torch.Generator().manual_seed(step))
+            metrics.append(adamw_step(params, state, AdamSpec(learning_rate=0.1, weight_decay=0.01), foreach=foreach))
+        runs[foreach] = (params, state, metrics)
+    (loop, loop_state, loop_metrics), (multi, multi_state, multi_metrics) = runs[False], runs[True]
+    for key in shapes:
+        torch.testing.assert_close(multi[key], loop[key], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(multi_state.exp_avg_sq[key], loop_state.exp_avg_sq[key], rtol=1e-6, atol=1e-9)
+    assert multi_state.param_steps == loop_state.param_steps == {"a": 3, "b": 2, "c": 3}
+    for a, b in zip(multi_metrics, loop_metrics):
+        assert a["update_norm"] == pytest.approx(b["update_norm"], rel=1e-6)
