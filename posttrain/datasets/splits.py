@@ -40,12 +40,22 @@ def conversation_prompt(messages: Sequence[Mapping[str, str]]) -> str:
     return messages_text(messages[:answer])
 
 
+def _single_question(messages: Sequence[Mapping[str, str]]) -> str | None:
+    """The text of a prompt that is one user message, else None."""
+    return messages[0]["content"] if len(messages) == 1 and messages[0]["role"] == "user" else None
+
+
 def row_prompt(kind: str, row: Mapping[str, Any]) -> str:
-    """The prompt of a normalized row of `kind` (chat, comparison, rl, code), before normalization."""
+    """The prompt of a normalized row of `kind` (chat, comparison, rl, code), before normalization.
+
+    A prompt that is a single user message hashes as its text alone, like an RL problem's question: the same
+    question in a chat table, a comparison table and a problems table lands on the same side of the split, so
+    SFT or DPO never trains on a problem an RL eval holds out."""
     if kind == "chat":
-        return conversation_prompt(row["messages"])
+        prompt = row["messages"][: max((i for i, m in enumerate(row["messages"]) if m["role"] == "assistant"), default=len(row["messages"]))]
+        return _single_question(prompt) or conversation_prompt(row["messages"])
     if kind == "comparison":
-        return messages_text(row["prompt"])
+        return _single_question(row["prompt"]) or messages_text(row["prompt"])
     if kind == "rl":
         return row["question"]
     if kind == "code":

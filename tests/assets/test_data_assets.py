@@ -63,7 +63,7 @@ def test_sft_chain_writes_checked_tokens_with_metadata(tmp_path: Path):
     tokens = pq.read_table(tmp_path / "rendered_tokens.parquet")
     assert chat.num_rows == tokens.num_rows == 20
     assert tokens.column("source_row_id").to_pylist() == chat.column("row_id").to_pylist()
-    expected_splits = [split_of(f"user: {m[0]['content']}", 0.2) for m in chat.column("messages").to_pylist()]
+    expected_splits = [split_of(m[0]["content"], 0.2) for m in chat.column("messages").to_pylist()]
     assert tokens.column("split").to_pylist() == expected_splits and "heldout" in expected_splits
     assert tokens.schema.remove_metadata().equals(schemas.RENDERED_TOKENS.remove_metadata())
 

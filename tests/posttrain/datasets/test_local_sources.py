@@ -48,4 +48,4 @@ def test_limit_and_heldout_fraction(chat_jsonl):
     table = load(LoadSpec("chat", str(chat_jsonl), limit=4, heldout_fraction=0.5)).table
     assert table.num_rows == 4
     prompts = [r["messages"][0]["content"] for r in table.to_pylist()]
-    assert table.column("split").to_pylist() == [split_of(f"user: {p}", 0.5) for p in prompts]
+    assert table.column("split").to_pylist() == [split_of(p, 0.5) for p in prompts]

@@ -39,6 +39,10 @@ def test_the_prompt_of_each_kind_is_what_precedes_the_trained_answer():
     assert conversation_prompt(conversation) == "system: S\nuser: Q1\nassistant: A1\nuser: Q2"
     assert row_prompt("chat", {"messages": conversation}) == row_prompt("comparison", {"prompt": conversation[:-1]})
     assert row_prompt("rl", {"question": "Q"}) == "Q" and row_prompt("code", {"prompt": "P"}) == "P"
+    # one question asked in a chat, a comparison and a problems table: one prompt, so one side of the split
+    question = [{"role": "user", "content": "Calculate 43 + 12."}]
+    assert row_prompt("chat", {"messages": question + [{"role": "assistant", "content": "55"}]}) == "Calculate 43 + 12."
+    assert row_prompt("comparison", {"prompt": question}) == row_prompt("rl", {"question": "Calculate 43 + 12."})
 
 
 def _split_by_prompt(table) -> dict[str, set[str]]:
@@ -72,7 +76,7 @@ def test_splits_agree_across_limits_and_orders_and_duplicates_share_a_side(write
 
 
 def test_a_table_with_no_training_row_is_refused(write_jsonl):
-    heldout_question = next(f"q{i}" for i in range(100) if split_of(f"user: q{i}", 0.5) == "heldout")
+    heldout_question = next(f"q{i}" for i in range(100) if split_of(f"q{i}", 0.5) == "heldout")
     path = write_jsonl([chat_line(heldout_question, "a")])
     with pytest.raises(EmptyDatasetError, match="all 1 rows hash into the held-out split"):
         load(LoadSpec("chat", str(path), heldout_fraction=0.5))
