@@ -10,7 +10,6 @@ out when the hash of its normalized prompt falls below `heldout_fraction` (postt
 so membership never depends on `limit` or source order; trainers use `split == "train"`.
 """
 
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -19,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field
 
+from assets.outputs import versioned_output
 from posttrain.datasets import schemas, summary
 from posttrain.datasets.loaders import LoadedTable, LoadSpec, load
 from posttrain.datasets.rows import SkipLog
@@ -113,9 +113,7 @@ def table_output(table: pa.Table, metadata: dict) -> dg.Output:
         **{key: dg.MetadataValue.int(value) for key, value in split_counts(table).items()},
         **metadata,
     }
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", dg.BetaWarning)  # data_version on Output is beta in 1.13; we rely on it
-        return dg.Output(table, metadata=full, data_version=dg.DataVersion(digest))
+    return versioned_output(table, full, digest)
 
 
 def schema_check(table: pa.Table, expected: pa.Schema, name: str = "schema_valid") -> dg.AssetCheckResult:

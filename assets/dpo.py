@@ -24,7 +24,6 @@
 import hashlib
 import json
 import math
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable, Literal
@@ -48,6 +47,7 @@ from assets.datasets import (
     table_output,
 )
 from assets.evals import EvalInputs, EvalSpec, build_eval_asset
+from assets.outputs import versioned_output
 from assets.preferences import build_pairs_asset, identical_failures
 from assets.problems import PROBLEMS_ASSET
 from assets.training import (
@@ -288,9 +288,7 @@ def reference_logprobs(context: dg.AssetExecutionContext, config: ReferenceConfi
         "reference_sampler_path": reference.sampler_path or "",
         "reference_base_model": reference.base_model,
     }
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", dg.BetaWarning)  # data_version on Output is beta in 1.13; we rely on it
-        output = dg.Output(table, metadata=metadata, data_version=dg.DataVersion(version))
+    output = versioned_output(table, metadata, version)
     yield from checked_table_output(REFERENCE_ASSET, output, [schema_check(table, REFERENCE_LOGPROBS), failures_check("finite", nonfinite_failures(table))])
 
 

@@ -25,6 +25,7 @@ import dagster as dg
 from assets.checkpoint_manifest import CheckpointManifest, write_manifest
 from posttrain.checkpoints import CheckpointRecord
 from resources.mlflow import MlflowRun
+from resources.mlflow_links import registered_model_url
 
 REGISTRATION_WRITES = ("mlflow_model", "manifest", "partition", "partition_event")
 AFTER_WRITE: Callable[[str, str], None] | None = None  # (write name, partition key); tests raise here
@@ -86,6 +87,9 @@ def register_checkpoint(
                     "step": manifest.step,
                     "parent": manifest.parent_partition or (manifest.init_from or "base model"),
                     "mlflow_model": f"{manifest.registered_model}/{manifest.model_version}",
+                    "mlflow_model_version": dg.MetadataValue.url(registered.model_version_url),
+                    # The aliases (best, latest-evaluated) move with later evals: link the page that shows them now.
+                    "mlflow_aliases": dg.MetadataValue.url(registered_model_url(manifest.registered_model)),
                     "training_run": manifest.training_dagster_run_id,
                 },
                 tags={"dagster/data_version": manifest.state_path or key},

@@ -9,8 +9,8 @@ completion). Metadata: reward mean/std per step, a readable sample of groups, an
 curve (PNG, inline and as an artifact of the training MLflow run).
 """
 
-import base64
 import statistics
+from urllib.parse import urlencode
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -19,11 +19,13 @@ import dagster as dg
 import pyarrow as pa
 
 from assets.checkpoint_manifest import read_manifest
+from assets.outputs import versioned_output
 from assets.rl import ROLLOUTS_FILE
 from assets.training import TRAINING_GROUP
 from assets.upstream import latest_version
 from posttrain.training.rows import JsonlRowSink
 from resources.mlflow import MlflowResource
+from resources.mlflow_links import mlflow_link
 from resources.state import state_subdir
 
 TRAINING_ASSET = "rl_checkpoint"
@@ -89,12 +91,27 @@ def step_summary(table: pa.Table) -> list[dict[str, float]]:
     return summary
 
 
-def summary_markdown(summary: list[dict[str, Any]]) -> str:
-    lines = ["| step | samples | reward mean | reward std | accuracy |", "|---:|---:|---:|---:|---:|"]
-    for entry in summary:
-        accuracy = "–" if entry["accuracy"] is None else f"{entry['accuracy']:.3f}"
-        lines.append(f"| {entry['step']} | {entry['samples']} | {entry['reward_mean']:.4f} | {entry['reward_std']:.4f} | {accuracy} |")
-    return "\n".join(lines)
+def summary_table(summary: list[dict[str, Any]]) -> dg.TableMetadataValue:
+    """The per-step summary as a table the asset page shows inline (markdown this long hides behind a button)."""
+    columns = [("step", "int"), ("samples", "int"), ("reward_mean", "float"), ("reward_std", "float"), ("accuracy", "float")]
+    records = [
+        dg.TableRecord({name: (round(entry[name], 4) if isinstance(entry[name], float) else entry[name]) for name, _ in columns})
+        for entry in summary
+    ]
+    return dg.MetadataValue.table(records, schema=dg.TableSchema([dg.TableColumn(name, kind) for name, kind in columns]))
+
+
+def curve_markdown(mlflow_run_id: str, artifact_path: str) -> str:
+    """The reward curve as an image the asset page shows inline: the PNG logged to the MLflow run, fetched through
+    the Dagster UI's /mlflow redirect (pipelines/webserver.py), so the markdown stays short enough to render."""
+    query = urlencode({"path": artifact_path, "run_uuid": mlflow_run_id})
+    return f"![reward mean ± std and accuracy per step]({mlflow_link('get-artifact')}?{query})"
+
+
+def band(means: list[float], stds: list[float]) -> tuple[list[float], list[float]]:
+    """mean ± std per step, clipped to the reward's range ([0, 1], widened to any mean outside it)."""
+    low, high = min(0.0, *means), max(1.0, *means)
+    return [max(low, m - s) for m, s in zip(means, stds)], [min(high, m + s) for m, s in zip(means, stds)]
 
 
 def groups_markdown(table: pa.Table, limit: int = SAMPLE_GROUPS) -> str:
@@ -129,7 +146,7 @@ def plot_curve(summary: list[dict[str, Any]], path: Path, title: str) -> Path:
     stds = [entry["reward_std"] for entry in summary]
     figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
     axes.plot(steps, means, marker="o", label="reward mean")
-    axes.fill_between(steps, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)], alpha=0.2, label="± std")
+    axes.fill_between(steps, *band(means, stds), alpha=0.2, label="± std")
     graded = [(entry["step"], entry["accuracy"]) for entry in summary if entry["accuracy"] is not None]
     if graded:
         axes.plot([s for s, _ in graded], [a for _, a in graded], marker="s", label="accuracy")
@@ -165,21 +182,20 @@ def rollout_batches(context: dg.AssetExecutionContext, mlflow: MlflowResource) -
     summary = step_summary(table)
     curve = plot_curve(summary, state_subdir("rollout_batches") / f"{log_dir.name}.png", f"RL run {log_dir.name[:8]}: reward per step")
     mlflow.get_client().log_artifact(manifest.mlflow_run_id, str(curve), CURVE_ARTIFACT_DIR)
-    image = base64.b64encode(curve.read_bytes()).decode()
-    return dg.Output(
+    return versioned_output(
         table,
-        metadata={
+        {
             "dagster/row_count": table.num_rows,
             "training_run_id": log_dir.name,
             "final_checkpoint": manifest.partition,
             "steps": len(summary),
-            "reward_per_step": dg.MetadataValue.md(summary_markdown(summary)),
+            "reward_curve": dg.MetadataValue.md(curve_markdown(manifest.mlflow_run_id, f"{CURVE_ARTIFACT_DIR}/{curve.name}")),
+            "reward_per_step": summary_table(summary),
             "sample_groups": dg.MetadataValue.md(groups_markdown(table)),
-            "reward_curve": dg.MetadataValue.md(f"![reward curve](data:image/png;base64,{image})"),
             "reward_curve_path": dg.MetadataValue.path(str(curve)),
             "mlflow_run": dg.MetadataValue.url(manifest.mlflow_run_url),
         },
-        data_version=dg.DataVersion(f"{log_dir.name}-{manifest.step}-{table.num_rows}"),
+        f"{log_dir.name}-{manifest.step}-{table.num_rows}",
     )
 
 

@@ -40,6 +40,7 @@ from posttrain.metrics import ConsoleMetricsLogger
 from posttrain.training.core import TrainingResult, train
 from posttrain.training.recipe import Recipe, RowSink
 from resources.mlflow import MlflowResource, MlflowRun
+from resources.mlflow_links import registered_model_url
 from resources.state import state_subdir
 from resources.tinker import TinkerResource
 
@@ -362,6 +363,7 @@ class _Lineage:
             **{f"final_{name}": float(value) for name, value in result.final_metrics.items() if isinstance(value, (int, float))},
             "base_model": self.base_model,
             "mlflow_run": dg.MetadataValue.url(run.url),
+            "mlflow_model": dg.MetadataValue.url(registered_model_url(recipe)),  # its versions and their current aliases
             "log_dir": dg.MetadataValue.path(self.log_dir),
             **tinker.describe(),
         }

@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_cli(args.reference, args.task, args.limit, args.max_tokens, parse_task_args(args.task_args))
     if args.command == "demo":
+        # Its output is progress lines and result tables; transformers' per-load "Loading weights" bar is neither.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         from pipelines.definitions import defs
         from pipelines.demo import format_demo, run_demo
 

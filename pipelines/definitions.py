@@ -26,6 +26,7 @@ from assets.sft import SFT_EVAL, sft_checkpoint, sft_checkpoints, sft_eval_repor
 from pipelines.benchmarks import benchmark_definitions
 from pipelines.recipes import ChainVariant, build_recipe_jobs
 from resources.mlflow import MlflowResource
+from resources.mlflow_links import mlflow_ui_url
 from resources.parquet_io import ParquetIOManager
 from resources.state import state_subdir
 from resources.tinker import DEFAULT_BASE_MODEL, TinkerResource
@@ -50,7 +51,7 @@ def default_resources() -> dict:
     return {
         "tinker": tinker_resource_from_env(),
         "mlflow": MlflowResource(
-            ui_url=os.environ.get("MLFLOW_UI_URL", "http://127.0.0.1:5000"),
+            ui_url=mlflow_ui_url(),
             best_follows=os.environ.get("POSTTRAIN_BEST_FOLLOWS") or None,  # a benchmark name: `best` follows it
         ),
         "io_manager": ParquetIOManager(base_dir=str(state_subdir("parquet"))),

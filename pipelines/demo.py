@@ -17,6 +17,7 @@ import dagster as dg
 import pyarrow.parquet as pq
 
 from assets.checkpoint_manifest import CheckpointManifest, all_manifests
+from resources.mlflow_links import absolute_mlflow_url
 from resources.state import ensure_dagster_home, state_dir, state_subdir
 
 QUIET = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}  # no DEBUG event lines on the terminal
@@ -156,7 +157,7 @@ def _delta(row: dict[str, Any]) -> str:
 def format_stage(result: StageResult) -> str:
     lines = [f"== {result.stage.recipe}: {result.seconds:.0f} s, training run {result.chain_run_id}"]
     if result.checkpoints:
-        lines.append(f"   MLflow run: {result.checkpoints[-1].mlflow_run_url}")
+        lines.append(f"   MLflow run: {absolute_mlflow_url(result.checkpoints[-1].mlflow_run_url)}")
     lines.append(f"   {'checkpoint':<30} {'step':>4}  {'metric':<14} {'n':>4} {'base':>7} {'parent':>7} {'ckpt':>7}  Δ ± s.e.")
     for manifest in result.checkpoints:
         report = result.reports.get(manifest.partition)

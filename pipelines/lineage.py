@@ -20,6 +20,7 @@ from mlflow.exceptions import MlflowException
 
 from assets.checkpoint_manifest import CheckpointManifest, find_manifest
 from assets.upstream import plain_value
+from resources.mlflow_links import absolute_mlflow_url
 
 DAGSTER_UI_URL = "http://127.0.0.1:3000"
 MAX_HOPS = 32  # a chain longer than this is a cycle in hand-edited manifests
@@ -136,7 +137,7 @@ def _hop_lines(hop: Hop, dagster_ui_url: str, indent: str = "") -> list[str]:
         f"  sampler       {m.sampler_path}",
         f"  MLflow model  {m.registered_model} v{m.model_version}",
         f"  training run  Dagster {m.training_dagster_run_id}  job {hop.training_job}, {hop.training_run_status}  {dagster_ui_url}/runs/{m.training_dagster_run_id}",
-        f"                MLflow {m.mlflow_run_id}  {m.mlflow_run_url}",
+        f"                MLflow {m.mlflow_run_id}  {absolute_mlflow_url(m.mlflow_run_url)}",
         f"  started from  {m.parent_partition or m.init_from or 'the base model'}",
         *_data_lines(m),
     ]

@@ -1,8 +1,10 @@
 """`make ui`: the Dagster UI (webserver + daemon, so the eval sensor runs) and the MLflow UI, on loopback.
 
 Both read the persistent project state: DAGSTER_HOME (absolute, holding the repo's dagster.yaml) and
-the MLflow sqlite store under the state dir, so the runs `make demo` made are there to browse. Each
-server is its own process group, stopped together on Ctrl-C.
+the MLflow sqlite store under the state dir, so the runs `make demo` made are there to browse. The Dagster
+side is `dagster-daemon run` plus Dagster's webserver with a ``/mlflow`` redirect to the MLflow UI started
+here (pipelines/webserver.py), so MLflow links on asset pages follow ``--mlflow-port``. Each server is its
+own process group, stopped together on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pipelines.webserver import CODE_LOCATION_MODULE
+from resources.mlflow_links import MLFLOW_UI_URL_ENV
 from resources.state import default_mlflow_artifact_root, default_mlflow_tracking_uri, ensure_dagster_home, repo_root
 
 DAGSTER_PORT = 3000
@@ -34,10 +38,13 @@ def bin_path(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
-def start_dagster(port: int = DAGSTER_PORT, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start_dagster(port: int, mlflow_ui_url: str, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """The daemon (automation, schedules, queued runs) and the webserver, each its own process group."""
     ensure_dagster_home()
-    command = [bin_path("dagster"), "dev", "-m", "pipelines.definitions", "-h", HOST, "-p", str(port)]
-    return subprocess.Popen(command, cwd=repo_root(), env={**os.environ, **(env or {})}, start_new_session=True)
+    environment = {**os.environ, **(env or {})}
+    daemon = [bin_path("dagster-daemon"), "run", "-m", CODE_LOCATION_MODULE]
+    webserver = [sys.executable, "-m", "pipelines.webserver", "--host", HOST, "--port", str(port), "--mlflow-ui-url", mlflow_ui_url]
+    return [subprocess.Popen(command, cwd=repo_root(), env=environment, start_new_session=True) for command in (daemon, webserver)]
 
 
 def start_mlflow(port: int = MLFLOW_PORT, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -84,20 +91,22 @@ def serve(dagster_port: int = DAGSTER_PORT, mlflow_port: int = MLFLOW_PORT) -> i
     # explicitly (the default action would exit without running `finally`, orphaning both).
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGHUP, _interrupt)
-    os.environ.setdefault("MLFLOW_UI_URL", f"http://{HOST}:{mlflow_port}")
+    mlflow_ui_url = f"http://{HOST}:{mlflow_port}"
+    os.environ[MLFLOW_UI_URL_ENV] = mlflow_ui_url  # links the Dagster processes print in logs
     mlflow = start_mlflow(mlflow_port)
-    dagster = start_dagster(dagster_port)
+    daemon, webserver = start_dagster(dagster_port, mlflow_ui_url)
+    servers = (webserver, daemon, mlflow)
     try:
         wait_until_up(f"http://{HOST}:{mlflow_port}/health", mlflow)
-        wait_until_up(f"http://{HOST}:{dagster_port}/server_info", dagster)
+        wait_until_up(f"http://{HOST}:{dagster_port}/server_info", webserver)
         print(f"Dagster UI  http://{HOST}:{dagster_port}   (DAGSTER_HOME={os.environ['DAGSTER_HOME']})")
-        print(f"MLflow UI   http://{HOST}:{mlflow_port}    ({redact_password(default_mlflow_tracking_uri())})")
+        print(f"MLflow UI   {mlflow_ui_url}    ({redact_password(default_mlflow_tracking_uri())})")
         print("Ctrl-C stops both.", flush=True)
-        while dagster.poll() is None and mlflow.poll() is None:
+        while all(server.poll() is None for server in servers):
             time.sleep(1.0)
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
-        stop(dagster)
-        stop(mlflow)
+        for server in servers:
+            stop(server)

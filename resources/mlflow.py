@@ -54,6 +54,7 @@ from mlflow.models.utils import get_external_mlflow_model_spec
 from mlflow.utils.mlflow_tags import MLFLOW_MODEL_IS_EXTERNAL, MLFLOW_MODEL_VERSIONS
 from pydantic import Field
 
+from resources.mlflow_links import DEFAULT_MLFLOW_UI_URL, MLFLOW_LINK_PREFIX, absolute_mlflow_url, mlflow_link
 from resources.state import default_mlflow_artifact_root, default_mlflow_tracking_uri
 
 # Tag names other tools (the lineage command, the MLflow UI filter box) search by.
@@ -103,8 +104,8 @@ class MlflowRun:
     client: MlflowClient
     run_id: str
     experiment_id: str
-    url: str
-    ui_url: str
+    url: str  # the asset-page link (resources/mlflow_links.py)
+    link_base: str  # what model and version links start with: MLFLOW_LINK_PREFIX in production
     # (metric, step) points a killed attempt already logged for steps the resumed run redoes (see truncate_from).
     already_logged: set[tuple[str, int]] = field(default_factory=set)
 
@@ -227,12 +228,12 @@ class MlflowRun:
             model_name=model_name,
             version=version,
             model_id=model.model_id,
-            model_version_url=f"{self.ui_url}/#/models/{model_name}/versions/{version}",
-            logged_model_url=f"{self.ui_url}/#/experiments/{model.experiment_id}/models/{model.model_id}",
+            model_version_url=f"{self.link_base.rstrip('/')}/#/models/{model_name}/versions/{version}",
+            logged_model_url=f"{self.link_base.rstrip('/')}/#/experiments/{model.experiment_id}/models/{model.model_id}",
         )
 
     def model_version_url(self, version: ModelVersion | RegisteredCheckpoint) -> str:
-        return f"{self.ui_url}/#/models/{version.name}/versions/{version.version}"
+        return f"{self.link_base.rstrip('/')}/#/models/{version.name}/versions/{version.version}"
 
     @staticmethod
     def _checkpoint_tags(model_name: str, tinker_path: str, tags: Mapping[str, Any], step: int | None) -> dict[str, str]:
@@ -353,7 +354,9 @@ class MlflowResource(dg.ConfigurableResource):
     )
     experiment_name: str = Field(default="posttrain", description="MLflow experiment that runs are created in.")
     ui_url: str = Field(
-        default="http://127.0.0.1:5000", description="Where the MLflow UI is served (`make ui`); used for links."
+        default=DEFAULT_MLFLOW_UI_URL,
+        description="Where the MLflow UI is served (`make ui` sets $MLFLOW_UI_URL); used for links printed in logs. "
+        "Asset pages link through the Dagster UI's /mlflow redirect instead, which follows the UI wherever it runs.",
     )
     best_follows: str | None = Field(
         default=None,
@@ -394,7 +397,8 @@ class MlflowResource(dg.ConfigurableResource):
             return client.get_experiment_by_name(self.experiment_name).experiment_id
 
     def run_url(self, experiment_id: str, run_id: str) -> str:
-        return f"{self.ui_url}/#/experiments/{experiment_id}/runs/{run_id}"
+        """The asset-page link to a run (relative to the Dagster UI; resources/mlflow_links.py)."""
+        return mlflow_link(f"#/experiments/{experiment_id}/runs/{run_id}")
 
     @contextmanager
     def start_run(
@@ -435,9 +439,9 @@ class MlflowResource(dg.ConfigurableResource):
             run_id=run.info.run_id,
             experiment_id=experiment_id,
             url=self.run_url(experiment_id, run.info.run_id),
-            ui_url=self.ui_url,
+            link_base=MLFLOW_LINK_PREFIX,
         )
-        context.log.info(f"MLflow run {handle.run_id}{' (resumed)' if previous else ''}: {handle.url}")
+        context.log.info(f"MLflow run {handle.run_id}{' (resumed)' if previous else ''}: {absolute_mlflow_url(handle.url, self.ui_url)}")
         try:
             yield handle
         except BaseException:

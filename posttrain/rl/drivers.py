@@ -188,7 +188,7 @@ class AsyncDriver(_DriverBase):
             newest = self.publish(training_client, step)
             with self._lock:
                 self._newest = newest
-        counters = StepCounters()
+        counters = StepCounters(off_policy=True)
         started = time.monotonic()
         fresh: list[SampledGroup] = []
         while len(fresh) < self.config.groups_per_batch:

@@ -97,6 +97,7 @@ class StepCounters:
     """What a driver counts while it gathers a step's groups."""
 
     sampling_seconds: float = 0.0
+    off_policy: bool = False  # the async driver: staleness and stale-group counts mean something
     dropped_stale: int = 0
     requeued_stale: int = 0
 
@@ -164,11 +165,14 @@ def step_metrics(step: int, minibatches: Sequence[tuple[Minibatch, list[Any]]], 
         "num_action_tokens": float(action_tokens),
         "time/sampling_s": counters.sampling_seconds,
         "sampling/tokens_per_s": action_tokens / counters.sampling_seconds if counters.sampling_seconds > 0 else 0.0,
-        "staleness/mean": float(staleness.mean()) if staleness.size else 0.0,
-        "staleness/max": float(staleness.max()) if staleness.size else 0.0,
-        "async/dropped_stale_groups": float(counters.dropped_stale),
-        "async/requeued_stale_groups": float(counters.requeued_stale),
     }
+    if counters.off_policy:  # on-policy drivers would log four series of zeros
+        metrics |= {
+            "staleness/mean": float(staleness.mean()) if staleness.size else 0.0,
+            "staleness/max": float(staleness.max()) if staleness.size else 0.0,
+            "async/dropped_stale_groups": float(counters.dropped_stale),
+            "async/requeued_stale_groups": float(counters.requeued_stale),
+        }
     for key in sorted({key for t in transitions for key in t.metrics}):
         values = [t.metrics[key] for t in transitions if key in t.metrics]
         metrics[f"env/{key}"] = float(np.mean(values))

@@ -56,4 +56,8 @@ def test_a_kill_between_two_writes_is_repaired_by_registering_again(killed_after
         dg.AssetRecordsFilter(asset_key=dg.AssetKey("sft_checkpoints"), asset_partitions=[KEY]), limit=10
     ).records
     assert len(events) == 1
-    assert events[0].asset_materialization.metadata["state_path"].value == "tinker://run-1/weights/000010"
+    metadata = events[0].asset_materialization.metadata
+    assert metadata["state_path"].value == "tinker://run-1/weights/000010"
+    # Links relative to the Dagster UI (its /mlflow redirect follows the MLflow UI's port); aliases are not a snapshot.
+    assert metadata["mlflow_model_version"].value == f"/mlflow/#/models/sft/versions/{versions[0].version}"
+    assert metadata["mlflow_aliases"].value == "/mlflow/#/models/sft"

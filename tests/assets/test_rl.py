@@ -8,7 +8,7 @@ import pytest
 
 from assets.config_bridge import DEFAULT_DOC, library_config
 from assets.rl import RL, build_rl
-from assets.rollouts import groups_markdown, plot_curve, rollout_table, step_summary, summary_markdown
+from assets.rollouts import band, curve_markdown, groups_markdown, plot_curve, rollout_table, step_summary, summary_table
 from assets.training import RecipeInputs, training_config_class
 from posttrain.datasets.loaders import LoadSpec, load
 from posttrain.rl.config import RLConfig
@@ -90,7 +90,19 @@ def test_rollout_table_orders_rows_adds_provenance_and_summarises_each_step(tmp_
     assert [s["samples"] for s in summary] == [1, 3]
     assert summary[1]["reward_mean"] == pytest.approx(1 / 3) and summary[1]["accuracy"] == pytest.approx(1 / 3)
     assert summary[1]["reward_std"] == pytest.approx((2 / 9) ** 0.5)
-    assert "| 1 | 3 | 0.3333 | 0.4714 | 0.333 |" in summary_markdown(summary)
+    table_value = summary_table(summary)  # shown inline on the asset page
+    assert [column.name for column in table_value.schema.columns] == ["step", "samples", "reward_mean", "reward_std", "accuracy"]
+    assert table_value.records[1].data == {"step": 1, "samples": 3, "reward_mean": 0.3333, "reward_std": 0.4714, "accuracy": 0.3333}
     preview = groups_markdown(table)
     assert preview.index("**group 1.2**") < preview.index("**group 1.10**") and "group 0.0" not in preview
     assert plot_curve(summary, tmp_path / "curve.png", "t").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_reward_band_stays_within_the_reward_range_and_the_curve_renders_inline():
+    low, high = band([0.9, 0.5, 0.05], [0.3, 0.6, 0.1])
+    assert low == pytest.approx([0.6, 0.0, 0.0]) and high == pytest.approx([1.0, 1.0, 0.15])
+    low, _ = band([0.5, -0.05], [0.6, 0.2])  # a format penalty can take a mean below 0: the band still holds it
+    assert low == pytest.approx([-0.05, -0.05])
+    markdown = curve_markdown("run123", "rollouts/abc.png")
+    assert markdown.startswith("![") and "(/mlflow/get-artifact?path=rollouts%2Fabc.png&run_uuid=run123)" in markdown
+    assert len(markdown) < 1000  # Dagster's UI renders shorter markdown inline, longer behind "[Show Markdown]"

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from assets.checkpoint_manifest import all_manifests
+from resources.mlflow_links import absolute_mlflow_url
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,7 +31,7 @@ def test_lineage_by_tinker_path_and_by_model_version_prints_the_whole_chain(sft_
         f"checkpoint      {final.partition}  (sft, step 6, final)",
         final.state_path,
         f"Dagster {run.chain.run_id}  job sft_chain, SUCCESS",
-        final.mlflow_run_url,
+        absolute_mlflow_url(final.mlflow_run_url),
         "started from  the base model",
         f"rendered_tokens @ {tokens.asset_materialization.tags['dagster/data_version']}",
         f"chat_dataset @ {chat.asset_materialization.tags['dagster/data_version']}",

@@ -92,7 +92,7 @@ def test_rl_chain_starts_from_the_latest_sft_checkpoint_and_registers_each_check
     metadata = _metadata(rl_run.rl, "rl_checkpoint")
     assert metadata["total_steps"] == 3 and metadata["init_from"].startswith(sft_manifest.partition)
     for name in ("final_reward/mean", "final_accuracy", "final_loss", "final_entropy", "final_tokens_per_second",
-                 "final_frac_constant_reward_groups", "final_staleness/mean", "final_kl_sample_train_k1"):
+                 "final_frac_constant_reward_groups", "final_kl_sample_train_k1"):
         assert name in metadata, f"{name} missing from {sorted(metadata)}"
 
 
@@ -105,8 +105,10 @@ def test_every_rl_metric_reaches_mlflow_once_per_step(rl_run):
         client = MlflowResource().get_client()
         run_id = _rl_manifests(rl_run)[-1].mlflow_run_id
         for metric in ("reward/mean", "reward/std", "accuracy", "loss", "entropy", "kl_sample_train_k1", "tokens_per_second",
-                       "sampling/tokens_per_s", "frac_constant_reward_groups", "staleness/mean", "learning_rate"):
+                       "sampling/tokens_per_s", "frac_constant_reward_groups", "learning_rate"):
             assert [m.step for m in client.get_metric_history(run_id, metric)] == [0, 1, 2], metric
+        logged = client.get_run(run_id).data.metrics
+        assert not [name for name in logged if name.startswith(("staleness/", "async/"))], "a sync run logs no off-policy counters"
         artifacts = [a.path for a in client.list_artifacts(run_id, "rollouts")]
         assert any(path.endswith(".png") for path in artifacts)
 
@@ -145,9 +147,10 @@ def test_rollout_batches_are_every_sample_once_and_trace_to_sampler_weights(rl_r
             advantages = [row["advantage"] for row in members if row["group"] == group]
             assert advantages == pytest.approx([r - sum(rewards) / len(rewards) for r in rewards], abs=1e-9)
     metadata = _metadata(rl_run.rl, "rollout_batches")
-    assert metadata["dagster/row_count"] == 12 and metadata["reward_curve"].startswith("![reward curve](data:image/png;base64,")
-    assert Path(metadata["reward_curve_path"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert metadata["reward_per_step"].count("\n| ") == 3
+    curve = Path(metadata["reward_curve_path"])
+    assert metadata["dagster/row_count"] == 12 and curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"/mlflow/get-artifact?path=rollouts%2F{curve.name}&run_uuid={_rl_manifests(rl_run)[-1].mlflow_run_id}" in metadata["reward_curve"]
+    assert len(metadata["reward_per_step"].records) == 3
 
     with pytest.MonkeyPatch.context() as patch:
         for name, value in rl_run.env.items():

@@ -75,7 +75,8 @@ def test_each_loss_is_sent_with_its_config_and_a_step_reports_rows_and_metrics(s
             assert [r["advantage"] for r in members] == pytest.approx([r["reward"] - mean for r in members], abs=1e-9)
         metrics = outcome.metrics
         assert metrics["reward/mean"] == pytest.approx(sum(r["reward"] for r in outcome.rows) / 12)
-        assert metrics["num_groups"] == 4 and metrics["staleness/max"] == 0.0 and "accuracy" in metrics
+        assert metrics["num_groups"] == 4 and "accuracy" in metrics
+        assert not [key for key in metrics if key.startswith(("staleness/", "async/"))]  # sync: no all-zero off-policy series
         # On-policy: the learner reproduces the sampler's logprobs (float32 numerics only).
         assert abs(metrics["kl_sample_train_k1"]) < 1e-3 and metrics["entropy"] > 0
 
