@@ -254,6 +254,10 @@ class Engine(Protocol):
         """Creates ``model_id`` from a saved state (a new training client)."""
         ...
 
+    def load_state_into(self, model_id: str, path: str, with_optimizer: bool) -> None:
+        """Loads a checkpoint into an existing training model (TrainingClient.load_state*, deprecated)."""
+        ...
+
     def create_sampler(self, sampler_id: str, base_model: str | None, model_path: str | None) -> str:
         """Registers a sampler over a base model or a ``tinker://`` (sampler_)weights path; returns its base model."""
         ...

@@ -444,6 +444,27 @@ class LocalEngine:
                         moments[key] = value.to(self.device)
             return info
 
+    def load_state_into(self, model_id: str, path: str, with_optimizer: bool) -> None:
+        """Loads a checkpoint into an existing training model (the SDK's deprecated in-place load_state)."""
+        with self._lock:
+            model = self._model(model_id)
+            checkpoint = self.checkpoints.load(path)
+            if with_optimizer and checkpoint.optimizer is None:
+                raise EngineUserError(f"{path} holds no optimizer state (sampler weights); use load_state without optimizer.")
+            if checkpoint.meta["base_model"] != model.base_name:
+                raise EngineUserError(
+                    f"{path} was trained on {checkpoint.meta['base_model']!r}, this model is {model.base_name!r}; "
+                    "load it with create_training_client_from_state instead."
+                )
+            self._hosts[model.base_name].adapters.import_weights(model.adapter, checkpoint.adapter)
+            for param in model.params.values():
+                param.grad = None
+            model.adam = (
+                AdamState.from_tensors(int(checkpoint.meta["step"]), checkpoint.optimizer) if with_optimizer else AdamState()
+            )
+            model.version += 1
+            self._drop_retained(model_id)
+
     def list_checkpoints(self, run_id: str | None = None) -> list[CheckpointInfo]:
         return self.checkpoints.list(run_id)
 

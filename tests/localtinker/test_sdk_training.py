@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import tinker
 import torch
 from tinker import types
@@ -71,6 +72,23 @@ def test_save_state_and_restore_with_and_without_optimizer(service_client: tinke
     _step(fresh_adam, data)
     second = fresh_adam.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
     assert not math.isclose(second, uninterrupted[1], rel_tol=1e-6)  # Adam moments started from zero
+
+
+def test_deprecated_in_place_load_state(service_client: tinker.ServiceClient) -> None:
+    """TrainingClient.load_state / load_state_with_optimizer (deprecated by the SDK) load into the same client."""
+    trainer = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=2).result()
+    data = [_datum([11, 21, 31, 41, 51])]
+    _step(trainer, data)
+    path = trainer.save_state("one-step").result().path
+    probe = _logprobs(trainer, data)
+    continued = [_step(trainer, data) for _ in range(2)]
+    with pytest.warns(FutureWarning):
+        trainer.load_state_with_optimizer(path).result()
+    np.testing.assert_allclose(_logprobs(trainer, data)[0], probe[0], atol=1e-6)
+    np.testing.assert_allclose([_step(trainer, data) for _ in range(2)], continued, rtol=1e-5)
+    with pytest.warns(FutureWarning):
+        trainer.load_state(path).result()
+    np.testing.assert_allclose(_logprobs(trainer, data)[0], probe[0], atol=1e-6)
 
 
 def test_forward_backward_custom_with_a_dpo_loss(service_client: tinker.ServiceClient) -> None:

@@ -14,7 +14,7 @@ from localtinker.engine.api import Engine, LoraSpec, ModelInfo
 
 from .. import json_codec as jc
 from ..core import ServiceCore, error_response
-from ..errors import bad_request, not_found
+from ..errors import ProtocolError, bad_request, not_found
 from ..futures import Payload
 from ..registry import ModelRecord, RunRecord
 from ..worker import Job
@@ -203,17 +203,20 @@ class SessionRoutes:
     async def load_weights(self, request: Request) -> Response:
         endpoint = "load_weights"
         body = await self.core.json(request, endpoint)
-        if body.get("session_id") is None:  # TrainingClient.load_state: an in-place load, deprecated by the SDK
+        if body.get("session_id") is None:  # TrainingClient.load_state*: an in-place load, deprecated by the SDK
             model_id = jc.field(body, "model_id", str, endpoint)
             seq_id = jc.field(body, "seq_id", int, endpoint, default=None)
-            raise self.core.refuse_model_op(
+            try:
+                path = jc.field(body, "path", str, endpoint)
+                with_optimizer = jc.field(body, "optimizer", bool, endpoint, default=False)
+            except ProtocolError as e:
+                raise self.core.refuse_model_op(model_id, seq_id, e) from e
+            return self.core.queue_model_op(
+                endpoint,
                 model_id,
                 seq_id,
-                bad_request(
-                    "load_weights into an existing training client (TrainingClient.load_state*, deprecated by "
-                    "the SDK) is not supported; create a new client with ServiceClient."
-                    "create_training_client_from_state(path) or ..._with_optimizer(path)"
-                ),
+                lambda e: e.load_state_into(model_id, path, with_optimizer),
+                lambda _: Payload(json_body={"type": "load_weights", "path": path}),
             )
         # create-from-state: the load creates a new training client
         path = jc.field(body, "path", str, endpoint)

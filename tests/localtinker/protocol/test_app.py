@@ -125,9 +125,6 @@ def test_refused_requests_do_not_stall_or_corrupt_the_client(client: tinker.Serv
     )
     with pytest.raises(tinker.BadRequestError, match="has shape \\[2\\] but model_input has 3 tokens"):
         trainer.forward_backward([mismatched], "cross_entropy").result()
-    path = trainer.save_state("refusals").result().path
-    with pytest.warns(FutureWarning), pytest.raises(tinker.BadRequestError, match="create_training_client_from_state"):
-        trainer.load_state(path).result()  # the SDK's deprecated in-place load
     with pytest.raises(tinker.RequestFailedError, match="outside the vocab") as failure:
         trainer.forward_backward([_datum([1, VOCAB + 5, 2])], "cross_entropy").result()
     assert failure.value.category == tinker.types.RequestErrorCategory.User
