@@ -16,8 +16,9 @@ import networkx as nx  # noqa: E402
 from matplotlib.patches import FancyArrowPatch  # noqa: E402
 
 GROUP_COLOURS = {"data": "#dbeafe", "training": "#fde68a", "eval": "#bbf7d0"}
-COLUMN_WIDTH = 2.6  # data units between columns
-CHAR_WIDTH = 0.071  # data units per monospace character at this figure size
+OTHER_COLOURS = ("#fbcfe8", "#ddd6fe", "#fed7aa", "#e5e7eb")  # groups added later, in order of appearance
+COLUMN_WIDTH = 3.3  # data units between columns
+CHAR_WIDTH = 0.0715  # data units per monospace character at this figure size
 OUTPUT = Path(__file__).resolve().parents[1] / "docs" / "asset_graph.png"
 
 
@@ -59,7 +60,7 @@ def half_width(name: str) -> float:
 def draw(output: Path = OUTPUT) -> Path:
     graph, groups, partitioned = asset_graph()
     positions = layered_positions(graph)
-    figure, axes = plt.subplots(figsize=(20, 8), dpi=110)
+    figure, axes = plt.subplots(figsize=(26, 9), dpi=110)
     for source, target in graph.edges:
         (x0, y0), (x1, y1) = positions[source], positions[target]
         faint = source == "base_model"
@@ -68,14 +69,17 @@ def draw(output: Path = OUTPUT) -> Path:
             color="#cbd5e1" if faint else "#64748b", linewidth=0.7 if faint else 1.1, connectionstyle="arc3,rad=0.0",
             zorder=1,
         ))
+    colours = dict(GROUP_COLOURS)
+    for group in sorted(set(groups.values()) - set(colours)):
+        colours[group] = OTHER_COLOURS[min(len(colours) - len(GROUP_COLOURS), len(OTHER_COLOURS) - 1)]
     for name, (x, y) in positions.items():
-        box = dict(boxstyle="round,pad=0.35", facecolor=GROUP_COLOURS.get(groups[name], "#e5e7eb"),
+        box = dict(boxstyle="round,pad=0.35", facecolor=colours[groups[name]],
                    edgecolor="#334155", linewidth=2.0 if name in partitioned else 0.8,
                    linestyle="--" if name in partitioned else "-")
         axes.text(x, y, name, ha="center", va="center", fontsize=9, family="monospace", bbox=box, zorder=2)
-    handles = [plt.Rectangle((0, 0), 1, 1, facecolor=colour, edgecolor="#334155") for colour in GROUP_COLOURS.values()]
+    handles = [plt.Rectangle((0, 0), 1, 1, facecolor=colour, edgecolor="#334155") for colour in colours.values()]
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="#334155", linewidth=2.0, linestyle="--"))
-    axes.legend(handles, [f"group {group}" for group in GROUP_COLOURS] + ["partitioned: one partition per checkpoint"],
+    axes.legend(handles, [f"group {group}" for group in colours] + ["partitioned (by checkpoint, or by model × benchmark)"],
                 loc="lower right", fontsize=9, frameon=False)
     axes.set_title("Asset graph of pipelines.definitions (arrows point downstream; base_model's edges are pale)", fontsize=12)
     xs = [x for x, _ in positions.values()]
