@@ -216,7 +216,22 @@ def our_grpo_step(engine, model_id: str, prompts: np.ndarray, samples: int, new_
 # ----- one model ---------------------------------------------------------------------------------------------
 
 
-def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | None) -> None:
+def profile_ours(run: Callable[[], object], label: str) -> None:
+    """Where one call's time goes: the top operators by device time and by host time (``--profile``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+        run()
+        sync()
+    events = trace.key_averages()
+    print(f"  profile of ours, {label}:", flush=True)
+    print(events.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=48), flush=True)
+    print(events.table(sort_by="cpu_time_total", row_limit=8, max_name_column_width=48), flush=True)
+
+
+def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | None, profile: bool = False) -> None:
     from localtinker.engine.api import LoraSpec
 
     shape = SHAPES[key] if DEVICE.type == "cuda" else {**SHAPES[key], **SMOKE, "head_dim": 16}
@@ -326,6 +341,9 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
         if f"{key}.hf.grpo_s" in results:
             say(f"{key}.grpo_ratio", results[f"{key}.hf.grpo_s"] / ours_grpo, "x")
     say(f"{key}.peak_gib", peak_gib(), " GiB")
+    if profile and key == "1b":
+        profile_ours(lambda: our_step(engine, model_id, sft_data), "SFT step 8 x 512")
+        profile_ours(lambda: our_sample(engine, f"sampler-{key}", prompts, 16), "sampling 64 x 16")
     engine.unload_model(model_id)
     engine._hosts.pop(name, None)
     engine._samplers.clear()
@@ -344,6 +362,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="1b,0.6b,8b")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--profile", action="store_true", help="also profile our 1B SFT step and a sampling call")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks this script, measures nothing")
     args = parser.parse_args()
     global DEVICE
@@ -362,7 +381,7 @@ def main() -> int:
     engine = LocalEngine(Path(tempfile.mkdtemp(prefix="bench-gpu-")), dtype="bfloat16", device=DEVICE, portable=True)
     for key in args.models.split(","):
         try:
-            bench_model(key, engine, flops_peak, bandwidth)
+            bench_model(key, engine, flops_peak, bandwidth, args.profile)
         except Exception as error:  # noqa: BLE001 - report what failed and go on with the next shape
             print(f"  {key}: FAILED {type(error).__name__}: {error}", flush=True)
             results[f"{key}.error"] = f"{type(error).__name__}: {error}"

