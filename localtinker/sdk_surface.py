@@ -120,3 +120,21 @@ def markdown_table() -> str:
     rows += [f"| `{name}` | {status} | {why} |" for name, (status, why) in SDK_METHODS.items()]
     rows += [f"| `tinker {name}` | {status} | {why} |" for name, (status, why) in CLI_COMMANDS.items()]
     return "\n".join(rows)
+
+
+def document() -> str:
+    """docs/sdk_surface.md (regenerate with ``python -m localtinker.sdk_surface > docs/sdk_surface.md``)."""
+    return f"""# The tinker SDK 0.38 surface against localtinker
+
+Every public method of the SDK's clients (`ServiceClient`, `TrainingClient`, `SamplingClient`, `RestClient`,
+`AdminClient`; the deprecated `*_async` twins behave as the methods they wrap) and every `tinker` CLI command:
+**works** against `python -m localtinker serve` (the test that drives it), or **hosted only** (why). No call fails.
+Generated from `localtinker/sdk_surface.py`; `tests/localtinker/test_sdk_surface.py` fails when the installed SDK
+grows a method or command this table lacks, and when this file differs from the module.
+
+{markdown_table()}
+"""
+
+
+if __name__ == "__main__":
+    print(document(), end="")

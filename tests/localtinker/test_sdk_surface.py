@@ -21,7 +21,7 @@ from tinker import types
 from tinker.lib.api_future_impl import QueueState
 from tinker.lib.public_interfaces.admin_client import AdminClient
 
-from localtinker.sdk_surface import CLI_COMMANDS, HOSTED, SDK_METHODS, WORKS
+from localtinker.sdk_surface import CLI_COMMANDS, HOSTED, SDK_METHODS, WORKS, document
 from tests.fixtures.network import free_port
 from tests.fixtures.server import LOCAL_API_KEY, TINY_MODEL
 
@@ -60,6 +60,11 @@ def test_every_sdk_method_and_cli_command_is_in_the_table() -> None:
     assert not set(SDK_METHODS) - methods, f"no longer in the SDK: {sorted(set(SDK_METHODS) - methods)}"
     assert commands == set(CLI_COMMANDS), f"CLI commands differ: {sorted(commands ^ set(CLI_COMMANDS))}"
     assert {status for status, _ in [*SDK_METHODS.values(), *CLI_COMMANDS.values()]} <= {WORKS, HOSTED}
+
+
+def test_the_docs_table_is_the_module() -> None:
+    written = (REPO / "docs" / "sdk_surface.md").read_text()
+    assert written == document(), "regenerate: python -m localtinker.sdk_surface > docs/sdk_surface.md"
 
 
 @pytest.fixture(scope="module")
