@@ -123,3 +123,32 @@ def test_bf16_sampler_agrees_with_the_trainer(tmp_path, new_id):
         for s in result.sequences
     ])
     assert errors.mean() < 0.02 and errors.max() < 0.1, (errors.mean(), errors.max())
+
+
+@pytest.mark.parametrize("loss, config", [("importance_sampling", None), ("ppo", None), ("cispo", None),
+                                          ("dro", {"beta": 0.1}), ("gspo", None)])
+def test_every_loss_equals_the_tuned_path(portable, engine, new_id, loss, config):
+    """The RL losses on the portable path's device tensors: the tuned path's losses, logprobs and gradients."""
+    from localtinker.engine.api import DatumArrays
+
+    rng = np.random.default_rng(6)
+    data = []
+    for length in (12, 25):
+        tokens = rng.integers(0, 49152, size=length + 1)
+        mask = (np.arange(length) >= 4).astype(np.float32)
+        data.append(DatumArrays(tokens=tokens[:-1], loss_fn_inputs={
+            "target_tokens": tokens[1:], "logprobs": (-11.0 + rng.random(length)).astype(np.float32) * mask,
+            "advantages": (rng.standard_normal(length) * mask).astype(np.float32), "sequence_ratio_mask": mask,
+        }))
+    outcomes = []
+    for eng in (portable, engine):
+        model_id = new_id()
+        eng.create_model(model_id, TINY, LORA)
+        _randomise_b(eng, model_id)
+        outcomes.append((eng.forward_backward(model_id, data, loss, config, False), eng.lora_grads(model_id)))
+    (ours, our_grads), (tuned, tuned_grads) = outcomes
+    assert ours.metrics["loss:sum"] == pytest.approx(tuned.metrics["loss:sum"], rel=1e-5, abs=1e-6)
+    for a, b in zip(ours.loss_fn_outputs, tuned.loss_fn_outputs):
+        np.testing.assert_allclose(a["elementwise_loss"], b["elementwise_loss"], atol=1e-5, rtol=1e-5)
+    for key, grad in our_grads.items():
+        torch.testing.assert_close(grad, tuned_grads[key], atol=1e-5, rtol=1e-4, msg=key)
