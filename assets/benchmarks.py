@@ -128,6 +128,7 @@ def benchmark_result(context: dg.AssetExecutionContext, config: BenchmarkConfig,
         metadata={
             "model": key.model,
             "benchmark": key.benchmark,
+            "task": result.task,  # the leaderboard's column: the task's own name (a task file's @task)
             "metric": result.metric,
             "value": result.value,
             "stderr": result.stderr,
@@ -245,8 +246,9 @@ def latest_cells(instance: dg.DagsterInstance) -> dict[tuple[str, str], board.Ce
             continue
         metadata = {name: getattr(value, "value", value) for name, value in records[0].asset_materialization.metadata.items()}
         key = BenchmarkKey.parse(partition)
-        cells[(key.model, key.benchmark)] = board.Cell(
-            benchmark=key.benchmark, metric=str(metadata["metric"]), value=float(metadata["value"]),
+        task = str(metadata.get("task", key.benchmark))
+        cells[(key.model, task)] = board.Cell(
+            benchmark=task, metric=str(metadata["metric"]), value=float(metadata["value"]),
             stderr=float(metadata["stderr"]), n=int(metadata["n"]), scores=_sample_scores(Path(str(metadata["samples"]))),
             log=str(metadata.get("inspect_log", "")),
         )

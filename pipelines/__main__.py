@@ -23,11 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     lineage.add_argument("reference", nargs="?", help="tinker:// path, <registered-model>/<version> or partition key")
     lineage.add_argument("--list", action="store_true", help="list known checkpoints")
     bench = commands.add_parser("benchmark", help="benchmark a checkpoint or base model through inspect-ai (one JSON line per task)")
-    bench.add_argument("reference", help="checkpoint (as lineage takes it) or a base model name")
-    bench.add_argument("--task", action="append", required=True, help="gsm8k | math500 | mmlu | ifeval | humaneval | inspect_evals/<task> | file.py[@task]; repeatable")
+    bench.add_argument("reference", nargs="?", help="checkpoint (as lineage takes it) or a base model name")
+    bench.add_argument("--task", action="append", default=[], help="gsm8k | math500 | mmlu | ifeval | humaneval | inspect_evals/<task> | file.py[@task]; repeatable")
     bench.add_argument("--limit", type=int, default=0, help="samples per task (default: all)")
     bench.add_argument("--max-tokens", type=int, default=0, help="answer budget (default: the task's)")
     bench.add_argument("-T", dest="task_args", action="append", default=[], metavar="NAME=VALUE", help="task argument (value read as JSON when it parses)")
+    bench.add_argument("--leaderboard", action="store_true", help="then refresh and print the leaderboard")
     args = parser.parse_args(argv)
 
     from resources.state import ensure_dagster_home
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "benchmark":
         from pipelines.benchmarks import parse_task_args, run_cli
 
-        return run_cli(args.reference, args.task, args.limit, args.max_tokens, parse_task_args(args.task_args))
+        return run_cli(args.reference, args.task, args.limit, args.max_tokens, parse_task_args(args.task_args), args.leaderboard)
     if args.command == "demo":
         # Its output is progress lines and result tables; transformers' per-load "Loading weights" bar is neither.
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

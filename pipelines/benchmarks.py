@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import dagster as dg
 from mlflow.exceptions import MlflowException
 
-from assets.benchmarks import BENCHMARK_ASSETS, BENCHMARK_PARTITIONS, BenchmarkKey, base_key, benchmark_result, ensure_partitions, leaderboard
+from assets.benchmarks import BASE_PREFIX, BENCHMARK_ASSETS, BENCHMARK_PARTITIONS, BenchmarkKey, base_key, benchmark_result, ensure_partitions, leaderboard
 from assets.checkpoint_manifest import CheckpointManifest, all_manifests
 from assets.registration import partitions_name
 from resources.mlflow import ALIAS_BEST, MlflowResource
@@ -170,6 +170,8 @@ def model_key(reference: str, instance: dg.DagsterInstance) -> str:
     """A checkpoint reference (as ``lineage`` takes it) → its partition key; anything else is a base model name."""
     from pipelines.lineage import resolve_reference
 
+    if reference.startswith(BASE_PREFIX):
+        return reference
     try:
         return resolve_reference(reference, MlflowResource().get_client()).partition
     except LookupError as error:
@@ -178,40 +180,63 @@ def model_key(reference: str, instance: dg.DagsterInstance) -> str:
     return base_key(reference)
 
 
-def run_cli(reference: str, tasks: list[str], limit: int, max_tokens: int, task_args: dict[str, object]) -> int:
-    """Benchmarks ``reference`` on each task through the ``benchmark_result`` asset; one JSON line per task."""
+def run_cli(reference: str | None, tasks: list[str], limit: int, max_tokens: int, task_args: dict[str, object], show_leaderboard: bool = False) -> int:
+    """Benchmarks ``reference`` on each task through the ``benchmark_result`` asset (one JSON line per task),
+    then, with ``show_leaderboard``, materializes the leaderboard and prints it."""
     from pipelines.definitions import default_resources
 
+    if not tasks and not show_leaderboard:
+        print("error: name at least one --task (or ask for --leaderboard)", file=sys.stderr)
+        return 2
+    if tasks and not reference:
+        print("error: name the checkpoint or base model to benchmark", file=sys.stderr)
+        return 2
     with dg.DagsterInstance.get() as instance:
-        try:
-            model = model_key(reference, instance)
-        except LookupError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
-        resources = {name: value for name, value in default_resources().items() if name in ("tinker", "mlflow")}
-        config = {"limit": limit, "max_tokens": max_tokens, "task_args": json.dumps(task_args)}
-        failed = 0
-        for task in tasks:
-            key = BenchmarkKey(model, task)
-            added = ensure_partitions(instance, [key])
-            outcome = dg.materialize(
-                [benchmark_result], partition_key=key.partition, instance=instance, resources=resources,
-                run_config={"ops": {"benchmark_result": {"config": config}}}, raise_on_error=False,
-                tags={"posttrain/trigger": "cli"},
-            )
+        status = _benchmark_tasks(instance, reference, tasks, limit, max_tokens, task_args) if tasks else 0
+        if show_leaderboard:
+            resources = {"mlflow": default_resources()["mlflow"]}
+            outcome = dg.materialize([leaderboard], instance=instance, resources=resources, raise_on_error=False)
             if not outcome.success:
-                if added:  # a failed first run records nothing, not even the requested key
-                    instance.delete_dynamic_partition(BENCHMARK_PARTITIONS.name, key.partition)
-                print(f"error: {task}: {_failure_message(outcome)}", file=sys.stderr)
-                failed += 1
-                continue
-            metadata = {name: getattr(value, "value", value) for name, value in outcome.asset_materializations_for_node("benchmark_result")[0].metadata.items()}
-            print(json.dumps({
-                "task": task, "model": model, "metric": metadata["metric"], "value": metadata["value"],
-                "stderr": None if math.isnan(metadata["stderr"]) else metadata["stderr"], "n": metadata["n"],
-                "log": metadata["inspect_log"], "view": metadata["view"],
-            }), flush=True)
-        return 2 if failed else 0
+                print(f"error: leaderboard: {_failure_message(outcome)}", file=sys.stderr)
+                return 2
+            metadata = outcome.asset_materializations_for_node("leaderboard")[0].metadata
+            print(metadata["leaderboard"].value)
+            print(f"chart: {metadata['chart'].value}")
+        return status
+
+
+def _benchmark_tasks(instance: dg.DagsterInstance, reference: str, tasks: list[str], limit: int, max_tokens: int, task_args: dict[str, object]) -> int:
+    from pipelines.definitions import default_resources
+
+    try:
+        model = model_key(reference, instance)
+    except LookupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    resources = {name: value for name, value in default_resources().items() if name in ("tinker", "mlflow")}
+    config = {"limit": limit, "max_tokens": max_tokens, "task_args": json.dumps(task_args)}
+    failed = 0
+    for task in tasks:
+        key = BenchmarkKey(model, task)
+        added = ensure_partitions(instance, [key])
+        outcome = dg.materialize(
+            [benchmark_result], partition_key=key.partition, instance=instance, resources=resources,
+            run_config={"ops": {"benchmark_result": {"config": config}}}, raise_on_error=False,
+            tags={"posttrain/trigger": "cli"},
+        )
+        if not outcome.success:
+            if added:  # a failed first run records nothing, not even the requested key
+                instance.delete_dynamic_partition(BENCHMARK_PARTITIONS.name, key.partition)
+            print(f"error: {task}: {_failure_message(outcome)}", file=sys.stderr)
+            failed += 1
+            continue
+        metadata = {name: getattr(value, "value", value) for name, value in outcome.asset_materializations_for_node("benchmark_result")[0].metadata.items()}
+        print(json.dumps({
+            "task": task, "model": model, "metric": metadata["metric"], "value": metadata["value"],
+            "stderr": None if math.isnan(metadata["stderr"]) else metadata["stderr"], "n": metadata["n"],
+            "log": metadata["inspect_log"], "view": metadata["view"],
+        }), flush=True)
+    return 2 if failed else 0
 
 
 def _failure_message(outcome: "dg.ExecuteInProcessResult") -> str:

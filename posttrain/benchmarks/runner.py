@@ -56,6 +56,7 @@ def run_benchmark(
     """Run ``task`` (a benchmark name, inspect_evals task or task file) on ``target``; raises on a bad
     task, a missing dataset or a failed eval, leaving no log behind."""
     from inspect_ai import eval as inspect_eval
+    from inspect_ai._util.error import PrerequisiteError
     from inspect_ai.log import read_eval_log
 
     if limit is not None and limit <= 0:
@@ -66,19 +67,22 @@ def run_benchmark(
     log_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=log_dir))
     try:
-        logs = inspect_eval(
-            resolved.task,
-            model=model,
-            log_dir=str(staging),
-            limit=limit,
-            display="none",
-            log_format="eval",
-            max_connections=max_connections,
-            max_samples=max_connections,
-            max_subprocesses=4,
-            fail_on_error=True,
-            score_display=False,
-        )
+        try:
+            logs = inspect_eval(
+                resolved.task,
+                model=model,
+                log_dir=str(staging),
+                limit=limit,
+                display="none",
+                log_format="eval",
+                max_connections=max_connections,
+                max_samples=max_connections,
+                max_subprocesses=4,
+                fail_on_error=True,
+                score_display=False,
+            )
+        except PrerequisiteError as error:  # inspect's own check of the task (e.g. duplicate sample ids)
+            raise BenchmarkRunError(f"benchmark {task!r}: {error}") from error
         if not logs:
             raise BenchmarkRunError(f"benchmark {task!r}: inspect returned no log")
         check_succeeded(resolved.name, logs[0])

@@ -47,7 +47,7 @@ def test_the_daily_schedule_and_the_sensor_run_by_default(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-def test_best_checkpoint_is_benchmarked_with_its_base_and_the_leaderboard_joins_them(sft_pipeline_run, monkeypatch) -> None:
+def test_best_checkpoint_is_benchmarked_with_its_base_and_the_leaderboard_joins_them(sft_pipeline_run, monkeypatch, capsys) -> None:
     run = sft_pipeline_run
     for name, value in run.env.items():
         monkeypatch.setenv(name, value)
@@ -87,6 +87,10 @@ def test_best_checkpoint_is_benchmarked_with_its_base_and_the_leaderboard_joins_
     assert f"| {base_key(TINY_MODEL)} | — |" in text and f"| {best} | {base_key(TINY_MODEL)} |" in text
     assert "Δ" in text  # the checkpoint is compared with its base, paired on the same two problems
     assert Path(metadata["chart"].value).read_bytes()[:4] == b"\x89PNG"
+
+    assert run_cli(None, [], 0, 0, {}, show_leaderboard=True) == 0
+    printed = capsys.readouterr().out
+    assert f"| {best} | {base_key(TINY_MODEL)} |" in printed and "chart: " in printed
 
     # a failed run (unknown task) records nothing; the CLI says what is wrong
     assert run_cli(best, ["gsm9k"], 2, 4, {}) == 2

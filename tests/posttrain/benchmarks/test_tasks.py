@@ -110,3 +110,13 @@ def test_an_inspect_evals_task_without_its_dataset_offline_says_how_to_get_it(mo
         resolve_task("inspect_evals/boolq")
     with pytest.raises(UnknownBenchmarkError, match="unknown task 'inspect_evals/no_such_task'"):
         resolve_task("inspect_evals/no_such_task")
+
+
+def test_the_shipped_arithmetic_tasks_need_no_download(tmp_path: Path) -> None:
+    examples = Path(__file__).resolve().parents[3] / "examples" / "benchmarks" / "arithmetic_tasks.py"
+    gsm8k_format = resolve_task(f"{examples}@arithmetic_gsm8k", {"count": 3})
+    first = gsm8k_format.task.dataset[0]
+    scores = graded(f"{examples}@arithmetic_gsm8k", f"ANSWER: {first.target}", tmp_path, count=3)
+    assert len(scores) == 3 and 1.0 <= sum(scores) < 3.0  # the first problem's sum is right, not every problem's
+    choice_task = resolve_task(f"{examples}@arithmetic_choice", {"count": 5}).task
+    assert len(choice_task.dataset) == 5 and all(len(sample.choices) == 4 for sample in choice_task.dataset)
