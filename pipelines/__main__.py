@@ -1,4 +1,4 @@
-"""Command line: `python -m pipelines demo | ui | lineage <checkpoint> | benchmark <checkpoint> --task <name>`."""
+"""Command line: `python -m pipelines demo | ui | lineage <checkpoint> | benchmark <checkpoint> --task <name> | export <checkpoint> --out DIR`."""
 
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--max-tokens", type=int, default=0, help="answer budget (default: the task's)")
     bench.add_argument("-T", dest="task_args", action="append", default=[], metavar="NAME=VALUE", help="task argument (value read as JSON when it parses)")
     bench.add_argument("--leaderboard", action="store_true", help="then refresh and print the leaderboard")
+    export = commands.add_parser("export", help="export a checkpoint as a PEFT adapter (and a merged HF model), verified against the server")
+    export.add_argument("reference", help="tinker://…/weights/… path, <registered-model>/<version> or partition key")
+    export.add_argument("--out", required=True, help="directory to create (must not exist)")
+    export.add_argument("--merged", action="store_true", help="also write the merged model (loads with AutoModelForCausalLM alone)")
     args = parser.parse_args(argv)
 
     from resources.state import ensure_dagster_home
@@ -38,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         from pipelines.ui import serve
 
         return serve(args.dagster_port, args.mlflow_port)
+    if args.command == "export":
+        from pipelines.export import run_cli as run_export
+
+        return run_export(args.reference, args.out, args.merged)
     if args.command == "benchmark":
         from pipelines.benchmarks import parse_task_args, run_cli
 

@@ -1,0 +1,98 @@
+"""Exports of a real checkpoint on a real localtinker: adapter and merged model verified against the server;
+bad input fails clearly and leaves no export directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import tinker
+import torch
+from tinker import types
+
+from localtinker.engine.models import tiny_random_dir
+from localtinker.server import RunningServer
+from posttrain.export.adapter import ExportError
+from posttrain.export.run import ADAPTER_TOLERANCE, MERGED_TOLERANCE, export_checkpoint
+from tests.fixtures.server import LOCAL_API_KEY, TINY_MODEL
+
+TOKENS = [1, 33, 4096, 17, 900, 2, 77, 31000]
+
+
+@pytest.fixture(scope="module")
+def clients(tinker_server: RunningServer):
+    service = tinker.ServiceClient(base_url=tinker_server.base_url, api_key=LOCAL_API_KEY)
+    yield service, tinker.RestClient(base_url=tinker_server.base_url, api_key=LOCAL_API_KEY)
+    service.close("success").result(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def trained(clients) -> tinker.TrainingClient:
+    trainer = clients[0].create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=9).result()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+        loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)},
+    )
+    for _ in range(3):
+        trainer.forward_backward([datum], "cross_entropy")
+        trainer.optim_step(types.AdamParams(learning_rate=0.01)).result()
+    return trainer
+
+
+def test_export_with_merged_model_matches_the_server(clients, trained, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    state = trained.save_state("export").result().path
+    out = tmp_path / "export"
+    report = export_checkpoint(*clients, state, out, TINY_MODEL, str(tiny_random_dir()), merged=True, card={"recipe": "sft"})
+    assert report.adapter_max_abs_logprob_diff <= ADAPTER_TOLERANCE
+    assert report.merged_max_abs_logprob_diff <= MERGED_TOLERANCE and report.within_tolerance
+    assert {p.name for p in out.iterdir()} == {"adapter", "merged", "export.json", "README.md"}
+    assert json.loads((out / "export.json").read_text())["verified_tokens"] > 10
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged")  # alone: no base model, no peft
+    assert not merged.config.tie_word_embeddings and AutoTokenizer.from_pretrained(out / "merged").chat_template
+    assert "recipe: `sft`" in (out / "README.md").read_text()
+    rest = clients[1]
+    assert not [c for c in rest.list_user_checkpoints().result().checkpoints if c.checkpoint_type == "external"]
+
+
+@pytest.mark.parametrize(
+    ("path", "base", "message"),
+    [
+        ("tinker://nowhere:train:0/weights/none", TINY_MODEL, "cannot load tinker://nowhere"),
+        ("not-a-path", TINY_MODEL, "is not a checkpoint path"),
+        ("sampler", TINY_MODEL, "is a sampler checkpoint"),
+        ("state", "HuggingFaceTB/SmolLM2-135M-Instruct", "was trained on 'localtinker/tiny-random'"),
+    ],
+)
+def test_bad_input_fails_clearly_and_leaves_nothing(clients, trained, tmp_path: Path, path: str, base: str, message: str) -> None:
+    if path == "sampler":
+        path = trained.save_weights_for_sampler("bad-export").result().path
+    elif path == "state":
+        path = trained.save_state("bad-export").result().path
+    out = tmp_path / "export"
+    with pytest.raises(ExportError, match=message):
+        export_checkpoint(*clients, path, out, base, str(tiny_random_dir()))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_pipelines_export_cli(tinker_server: RunningServer, trained, tmp_path: Path) -> None:
+    """`python -m pipelines export` on a running server: the adapter and merged model, timed and verified."""
+    import os
+    import subprocess
+    import sys
+
+    state = trained.save_state("cli-export").result().path
+    env = {**os.environ, "TINKER_BASE_URL": tinker_server.base_url, "TINKER_API_KEY": LOCAL_API_KEY,
+           "POSTTRAIN_STATE_DIR": str(tmp_path / "state"), "DAGSTER_HOME": str(tmp_path / "state" / "dagster")}
+    out = tmp_path / "exported"
+    run = subprocess.run([sys.executable, "-m", "pipelines", "export", state, "--out", str(out), "--merged"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[3])
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    assert report["within_tolerance"] and (out / "merged" / "config.json").is_file()
+    missing = subprocess.run([sys.executable, "-m", "pipelines", "export", "tinker://nowhere:train:0/weights/x", "--out", str(tmp_path / "no")],
+                             env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[3])
+    assert missing.returncode == 2 and "cannot load tinker://nowhere" in missing.stderr and not (tmp_path / "no").exists()
