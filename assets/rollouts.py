@@ -1,5 +1,7 @@
 """``rollout_batches``: every sample of the latest RL training run, one parquet row each.
 
+``build_rollouts_asset`` makes the same table for any recipe on the RL core (``rlhf_rollout_batches``).
+
 The RL recipe writes one row per sample to ``<log_dir>/rollouts.jsonl``; the training core commits them
 with the checkpoint that covers their step and drops rows of steps a resumed run redoes, so the file
 holds each step exactly once. This asset reads the file of the latest ``rl_checkpoint``
@@ -161,26 +163,29 @@ def plot_curve(summary: list[dict[str, Any]], path: Path, title: str) -> Path:
     return path
 
 
-@dg.asset(
-    group_name=TRAINING_GROUP,
-    kinds={"parquet", "mlflow"},
-    deps=[TRAINING_ASSET],
-    description="Every sample of the latest rl_checkpoint run (prompt, completion, tokens, sampler logprobs, reward, "
-    "advantage, turns) with the tinker:// sampler weights that produced it.",
-)
-def rollout_batches(context: dg.AssetExecutionContext, mlflow: MlflowResource) -> dg.Output[pa.Table]:
-    training = latest_version(context.instance, TRAINING_ASSET)
+def build_rollouts_asset(name: str, training_asset: str, description: str) -> dg.AssetsDefinition:
+    """``name``: the samples of the latest ``training_asset`` run (any recipe on the RL core writes them)."""
+
+    @dg.asset(name=name, group_name=TRAINING_GROUP, kinds={"parquet", "mlflow"}, deps=[training_asset], description=description)
+    def _rollouts(context: dg.AssetExecutionContext, mlflow: MlflowResource) -> dg.Output[pa.Table]:
+        return rollouts_output(context, mlflow, name, training_asset)
+
+    return _rollouts
+
+
+def rollouts_output(context: dg.AssetExecutionContext, mlflow: MlflowResource, name: str, training_asset: str) -> dg.Output[pa.Table]:
+    training = latest_version(context.instance, training_asset)
     log_dir = Path(str(training.metadata.get("log_dir", "")))
     rollouts = log_dir / ROLLOUTS_FILE
     if not rollouts.exists():
         raise dg.Failure(
-            f"the latest {TRAINING_ASSET} materialization (run {training.run_id}) has no {rollouts}: it was trained under "
-            "another POSTTRAIN_STATE_DIR, or before rollouts were recorded; re-materialize rl_checkpoint"
+            f"the latest {training_asset} materialization (run {training.run_id}) has no {rollouts}: it was trained under "
+            f"another POSTTRAIN_STATE_DIR, or before rollouts were recorded; re-materialize {training_asset}"
         )
     manifest = read_manifest(str(training.metadata["final_partition"]))
     table = rollout_table(JsonlRowSink(rollouts).read(), training_run_id=log_dir.name, mlflow_run_id=manifest.mlflow_run_id)
     summary = step_summary(table)
-    curve = plot_curve(summary, state_subdir("rollout_batches") / f"{log_dir.name}.png", f"RL run {log_dir.name[:8]}: reward per step")
+    curve = plot_curve(summary, state_subdir(name) / f"{log_dir.name}.png", f"{manifest.recipe} run {log_dir.name[:8]}: reward per step")
     mlflow.get_client().log_artifact(manifest.mlflow_run_id, str(curve), CURVE_ARTIFACT_DIR)
     return versioned_output(
         table,
@@ -197,6 +202,14 @@ def rollout_batches(context: dg.AssetExecutionContext, mlflow: MlflowResource) -
         },
         f"{log_dir.name}-{manifest.step}-{table.num_rows}",
     )
+
+
+rollout_batches = build_rollouts_asset(
+    "rollout_batches",
+    TRAINING_ASSET,
+    "Every sample of the latest rl_checkpoint run (prompt, completion, tokens, sampler logprobs, reward, "
+    "advantage, turns) with the tinker:// sampler weights that produced it.",
+)
 
 
 def _group_order(label: str) -> tuple[int, ...]:

@@ -13,9 +13,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     parser = argparse.ArgumentParser(prog="python -m pipelines", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run the recipe chain (SFT → DPO → RL) and every eval report")
+    demo = commands.add_parser("demo", help="run the recipe chain (SFT → DPO → RL, or --stages rlhf) and every eval report")
     demo.add_argument("--max-steps", type=int, default=0, help="training steps of every stage (default: each stage's, in pipelines/demo.py)")
     demo.add_argument("--final-only", action="store_true", help="evaluate only the final checkpoint")
+    demo.add_argument("--stages", choices=("default", "rlhf"), default="default",
+                      help="default: SFT → DPO → RL; rlhf: SFT → preference model → RLHF (longer than `make demo`)")
     ui = commands.add_parser("ui", help="serve the Dagster UI (:3000) and the MLflow UI (:5000) on loopback")
     ui.add_argument("--dagster-port", type=int, default=3000)
     ui.add_argument("--mlflow-port", type=int, default=5000)
@@ -54,12 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         # Its output is progress lines and result tables; transformers' per-load "Loading weights" bar is neither.
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         from pipelines.definitions import defs
-        from pipelines.demo import format_demo, run_demo
+        from pipelines.demo import STAGE_SETS, format_demo, run_demo
 
-        from pipelines.demo import STAGES
-
-        overrides = {f"{stage.recipe}_checkpoint": {"max_steps": args.max_steps} for stage in STAGES} if args.max_steps else {}
-        print(format_demo(run_demo(defs, overrides, evaluate_all=not args.final_only)))
+        stages = STAGE_SETS[args.stages]
+        overrides = {f"{stage.recipe}_checkpoint": {"max_steps": args.max_steps} for stage in stages} if args.max_steps else {}
+        print(format_demo(run_demo(defs, overrides, evaluate_all=not args.final_only, stages=stages)))
         return 0
     return _lineage(args)
 

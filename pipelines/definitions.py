@@ -20,7 +20,9 @@ from assets.code_rl import CODE_RL_EVAL, code_rl_checkpoint, code_rl_checkpoints
 from assets.data_assets import DATA_ASSETS
 from assets.distill import DISTILL_ASSETS, DISTILL_DATA_ASSETS, DISTILL_EVAL, PROMPT_DISTILL_DATA_ASSETS, PROMPT_DISTILL_EVAL
 from assets.dpo import DPO_ASSETS, DPO_DATA_ASSETS, DPO_EVAL, DPO_OFFLINE_DATA_ASSETS, DPO_OFFLINE_DEFAULTS
+from assets.preference_model import PREFERENCE_MODEL_ASSETS, PREFERENCE_MODEL_DATA_ASSETS, PREFERENCE_MODEL_EVAL
 from assets.rl import RL_EVAL, rl_checkpoint, rl_checkpoints, rl_eval_report
+from assets.rlhf import RLHF_ASSETS, RLHF_DATA_ASSETS, RLHF_EVAL
 from assets.rollouts import rollout_batches
 from assets.sft import SFT_EVAL, sft_checkpoint, sft_checkpoints, sft_eval_report
 from pipelines.benchmarks import benchmark_definitions
@@ -81,11 +83,14 @@ def build_definitions(resources: dict) -> dg.Definitions:
                          "offline comparisons (preference_comparisons: HH-RLHF, UltraFeedback, a file) → pairs → reference "
                          "logprobs of the base model → DPO from the base model, in one run"),
         ]),
+        build_recipe_jobs(PREFERENCE_MODEL_EVAL, PREFERENCE_MODEL_DATA_ASSETS),
+        build_recipe_jobs(RLHF_EVAL, RLHF_DATA_ASSETS, outputs=("rlhf_rollout_batches",)),
     ]
     recipe_definitions = dg.Definitions(
         assets=[*DATA_ASSETS, sft_checkpoint, sft_checkpoints, sft_eval_report,
                 rl_checkpoint, rl_checkpoints, rl_eval_report, rollout_batches,
-                code_rl_checkpoint, code_rl_checkpoints, code_rl_eval_report, *DISTILL_ASSETS, *DPO_ASSETS],
+                code_rl_checkpoint, code_rl_checkpoints, code_rl_eval_report, *DISTILL_ASSETS, *DPO_ASSETS,
+                *PREFERENCE_MODEL_ASSETS, *RLHF_ASSETS],
         jobs=[job for recipe in recipes for job in recipe.jobs],
         sensors=[automation_sensor()],
         schedules=[recipe.schedule for recipe in recipes],

@@ -79,6 +79,34 @@ DEMO_RL = {
 }
 RL_STAGE = DemoStage("rl", {"rl_problems": {"config": DEMO_DATA}, "rl_checkpoint": {"config": DEMO_RL}})
 STAGES: tuple[DemoStage, ...] = (SFT_STAGE, DPO_STAGE, RL_STAGE)
+# RLHF (`python -m pipelines demo --stages rlhf`): SFT, then a preference model trained on the SFT checkpoint's
+# own graded answers (a correct and a wrong answer of one prompt per comparison, both orders), then RL from SFT
+# rewarded only by that model's tournaments; the verifier is never a reward, so held-out accuracy in the
+# eval report is an honest check. Not in `make demo`: together they exceed its 15-minute budget on 2 cores.
+DEMO_PM_COMPARISONS = {"sampler": "latest:sft", "group_size": 4, "max_tokens": 24, "temperature": 1.0, "limit": 600}
+DEMO_PM = {"init_from": "latest:sft", "learning_rate": 2e-4, "batch_size": 16, "num_epochs": 2, "save_every": 40, "lora_rank": 16}
+PREFERENCE_MODEL_STAGE = DemoStage(
+    "preference_model",
+    {
+        "rl_problems": {"config": DEMO_DATA},
+        "onpolicy_comparisons": {"config": DEMO_PM_COMPARISONS},
+        "preference_model_checkpoint": {"config": {**DEMO_PM, "comparisons": "onpolicy_comparisons"}},
+    },
+)
+DEMO_RLHF = {
+    "init_from": "latest:sft",
+    "preference_model": "latest:preference_model",
+    "env": "rl_problems",
+    "group_size": 4,
+    "groups_per_batch": 8,
+    "max_tokens": 16,
+    "learning_rate": 1e-4,
+    "lora_rank": 16,
+    "max_steps": 20,
+    "save_every": 10,
+}
+RLHF_STAGE = DemoStage("rlhf", {"rl_problems": {"config": DEMO_DATA}, "rlhf_checkpoint": {"config": DEMO_RLHF}})
+STAGE_SETS: dict[str, tuple[DemoStage, ...]] = {"default": STAGES, "rlhf": (SFT_STAGE, PREFERENCE_MODEL_STAGE, RLHF_STAGE)}
 
 
 @dataclass
@@ -132,7 +160,8 @@ def run_demo(
     return DemoResult(results, time.monotonic() - started)
 
 
-SHOWN_METRICS = ("accuracy", "reward", "pass@1", "pass@4", "pair_accuracy", "margin", "win_rate", "nll", "bpb", "teacher_kl", "agreement")
+SHOWN_METRICS = ("accuracy", "reward", "pass@1", "pass@4", "pair_accuracy", "margin", "comparison_accuracy", "orders_agree",
+                 "position_bias", "win_rate", "nll", "bpb", "teacher_kl", "agreement")
 
 
 def read_report(asset: str, partition: str) -> dict[str, dict[str, Any]]:

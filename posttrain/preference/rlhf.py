@@ -64,8 +64,8 @@ class RLHFConfig(RLConfig):
     )
     preference_model: str = documented(
         "latest:preference_model",
-        "Preference-model checkpoint that judges: latest:preference_model, best:preference_model, a partition key, "
-        "<registered model>/<version> or a tinker://.../sampler_weights/... path.",
+        "Preference-model checkpoint that judges: latest:preference_model, a checkpoint partition key or "
+        "<registered model>/<version> (a registered preference_model checkpoint of the same base model).",
     )
     tournament: TournamentPattern = documented("all_pairs_one_way", "Pairs judged per group: all_pairs_one_way (i<j) or all_pairs_both_ways.")
     tournament_chunk_size: int = documented(0, "> 1: tournaments only within chunks of this many samples (fewer judgements); 0 = whole group.")

@@ -10,14 +10,16 @@ import dagster as dg
 from assets.code_rl import CODE_RL
 from assets.distill import DISTILL, PROMPT_DISTILL
 from assets.dpo import DPO
+from assets.preference_model import PREFERENCE_MODEL
 from assets.rl import RL
+from assets.rlhf import RLHF
 from assets.sft import SFT
 from assets.training import training_config_class
 from pipelines.definitions import build_definitions
 from tests.fixtures.dagster_env import tiny_resources
 
 REPO = Path(__file__).resolve().parents[2]
-TRAINING_SPECS = (SFT, RL, CODE_RL, DISTILL, PROMPT_DISTILL, DPO)  # every recipe's TrainingSpec: their launchpad configs are checked below
+TRAINING_SPECS = (SFT, RL, CODE_RL, DISTILL, PROMPT_DISTILL, DPO, PREFERENCE_MODEL, RLHF)  # every recipe's TrainingSpec: their launchpad configs are checked below
 
 # key: (upstream keys, group, kinds, partitioned by, checks). Update deliberately when the graph changes.
 ASSET_GRAPH = {
@@ -83,6 +85,20 @@ ASSET_GRAPH = {
     "dpo_eval_report": (["dpo_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "dpo_checkpoints", ["improves_on_base"]),
     "benchmark_result": ([], "benchmarks", ["mlflow", "parquet", "tinker"], "benchmark_runs", []),
     "leaderboard": (["benchmark_result"], "benchmarks", ["mlflow", "parquet"], None, []),
+    "preference_model_checkpoint": (
+        ["base_model", "onpolicy_comparisons", "preference_comparisons", "sft_checkpoint"], "training", ["mlflow", "tinker"], None, [],
+    ),
+    "preference_model_checkpoints": (["preference_model_checkpoint"], "training", ["tinker"], "preference_model_checkpoints", []),
+    "preference_model_eval_report": (
+        ["preference_model_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "preference_model_checkpoints", ["improves_on_base"]
+    ),
+    "rlhf_checkpoint": (
+        ["base_model", "onpolicy_comparisons", "preference_comparisons", "preference_model_checkpoint", "rl_problems", "sft_checkpoint"],
+        "training", ["mlflow", "tinker"], None, [],
+    ),
+    "rlhf_checkpoints": (["rlhf_checkpoint"], "training", ["tinker"], "rlhf_checkpoints", []),
+    "rlhf_eval_report": (["rlhf_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "rlhf_checkpoints", ["improves_on_base"]),
+    "rlhf_rollout_batches": (["rlhf_checkpoint"], "training", ["mlflow", "parquet"], None, []),
 }
 
 
@@ -119,7 +135,8 @@ def test_jobs_cover_each_stage_and_the_whole_chain(project_state):
     defs = build_definitions(tiny_resources(project_state))
     selections = {
         name: sorted(key.to_user_string() for key in defs.resolve_job_def(name).asset_layer.selected_asset_keys)
-        for name in ("sft_data", "sft_train", "sft_eval", "sft_chain", "rl_data", "rl_train", "rl_eval", "rl_chain")
+        for name in ("sft_data", "sft_train", "sft_eval", "sft_chain", "rl_data", "rl_train", "rl_eval", "rl_chain",
+                     "preference_model_chain", "rlhf_train", "rlhf_chain", "rlhf_eval")
     }
     assert selections == {
         "sft_data": ["base_model", "chat_dataset", "rendered_tokens"],
@@ -130,6 +147,10 @@ def test_jobs_cover_each_stage_and_the_whole_chain(project_state):
         "rl_train": ["rl_checkpoint", "rollout_batches"],
         "rl_eval": ["rl_eval_report"],
         "rl_chain": ["base_model", "rl_checkpoint", "rl_problems", "rollout_batches"],
+        "preference_model_chain": ["base_model", "onpolicy_comparisons", "preference_model_checkpoint", "rl_problems"],
+        "rlhf_train": ["rlhf_checkpoint", "rlhf_rollout_batches"],
+        "rlhf_chain": ["base_model", "rl_problems", "rlhf_checkpoint", "rlhf_rollout_batches"],
+        "rlhf_eval": ["rlhf_eval_report"],
     }
 
 
