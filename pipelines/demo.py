@@ -83,8 +83,8 @@ STAGES: tuple[DemoStage, ...] = (SFT_STAGE, DPO_STAGE, RL_STAGE)
 # own graded answers (a correct and a wrong answer of one prompt per comparison, both orders), then RL from SFT
 # rewarded only by that model's tournaments; the verifier is never a reward, so held-out accuracy in the
 # eval report is an honest check. Not in `make demo`: together they exceed its 15-minute budget on 2 cores.
-DEMO_PM_COMPARISONS = {"sampler": "latest:sft", "group_size": 4, "max_tokens": 24, "temperature": 1.0, "limit": 600}
-DEMO_PM = {"init_from": "latest:sft", "learning_rate": 2e-4, "batch_size": 16, "num_epochs": 2, "save_every": 40, "lora_rank": 16}
+DEMO_PM_COMPARISONS = {"sampler": "latest:sft", "group_size": 4, "max_tokens": 16, "temperature": 1.0, "limit": 400}
+DEMO_PM = {"init_from": "latest:sft", "learning_rate": 2e-4, "batch_size": 16, "num_epochs": 1, "save_every": 0, "lora_rank": 16}
 PREFERENCE_MODEL_STAGE = DemoStage(
     "preference_model",
     {
@@ -100,9 +100,9 @@ DEMO_RLHF = {
     "group_size": 4,
     "groups_per_batch": 8,
     "max_tokens": 16,
-    "learning_rate": 1e-4,
+    "learning_rate": 2e-4,
     "lora_rank": 16,
-    "max_steps": 20,
+    "max_steps": 10,
     "save_every": 10,
 }
 RLHF_STAGE = DemoStage("rlhf", {"rl_problems": {"config": DEMO_DATA}, "rlhf_checkpoint": {"config": DEMO_RLHF}})

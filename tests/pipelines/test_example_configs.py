@@ -13,7 +13,8 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").
 
 
 def test_every_recipe_chain_has_an_example_config():
-    assert {path.stem for path in CONFIGS} == {"sft", "dpo", "dpo_offline", "rl", "code_rl", "distill", "prompt_distill"}
+    assert {path.stem for path in CONFIGS} == {
+        "sft", "dpo", "dpo_offline", "rl", "code_rl", "distill", "prompt_distill", "preference_model", "rlhf"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda path: path.stem)

@@ -233,17 +233,21 @@ def test_a_judge_that_is_not_a_preference_model_of_this_base_model_and_tokenizer
         (rlhf_run.state / "checkpoints" / f"{manifest.partition}.json").unlink()
 
 
-def test_comparisons_without_train_rows_fail_before_training(rlhf_run, tmp_path):
+def test_comparisons_without_train_rows_are_refused_before_anything_is_stored_or_trained(rlhf_run, tmp_path):
+    """The data layer refuses them (the recipe refuses an empty train split too: tests/posttrain/preference/test_rlhf.py)."""
     path = tmp_path / "comparisons.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"Say {i}.", "chosen": f"{i}", "rejected": f"not {i}"}) + "\n" for i in range(3)))
+    key = dg.AssetKey("preference_comparisons")
+    stored = len(rlhf_run.instance.fetch_materializations(key, limit=100).records)
+    partitions = rlhf_run.instance.get_dynamic_partitions("preference_model_checkpoints")
     data = dg.materialize(
-        [next(a for a in rlhf_run.defs.assets if getattr(a, "key", None) == dg.AssetKey("preference_comparisons"))],
-        instance=rlhf_run.instance, resources=tiny_resources(rlhf_run.state),
+        [next(a for a in rlhf_run.defs.assets if getattr(a, "key", None) == key)],
+        instance=rlhf_run.instance, resources=tiny_resources(rlhf_run.state), raise_on_error=False,
         run_config={"ops": {"preference_comparisons": {"config": {
             "source": str(path), "columns": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}, "heldout_fraction": 0.999}}}},
     )
-    assert data.success and _metadata(data, "preference_comparisons")["dagster/row_count"] == 3
-    _fails_without_registering(rlhf_run, "preference_model_train", "preference_model_checkpoint",
-                               {**PM_TRAINING, "comparisons": "preference_comparisons"}, "no comparisons to train the preference model on")
-    _fails_without_registering(rlhf_run, "rlhf_train", "rlhf_checkpoint", {**RLHF_TRAINING, "env": "preference_comparisons"},
-                               "got no prompts")
+    assert not data.success
+    description = data.failure_data_for_node("preference_comparisons").user_failure_data.description
+    assert "all 3 rows hash into the held-out split" in description and "lower heldout_fraction" in description
+    assert len(rlhf_run.instance.fetch_materializations(key, limit=100).records) == stored
+    assert rlhf_run.instance.get_dynamic_partitions("preference_model_checkpoints") == partitions
