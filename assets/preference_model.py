@@ -16,7 +16,7 @@ on (both orders averaged), accuracy in each order alone, agreement across orders
 
 import dagster as dg
 
-from assets.evals import EvalInputs, EvalSpec, build_eval_asset, load_trained_version
+from assets.evals import EvalInputs, EvalSpec, build_eval_asset
 from assets.training import RecipeInputs, RecipeRun, TrainingSpec, build_checkpoints_asset, build_training_asset
 from posttrain.datasets.schemas import HELDOUT_SPLIT, TRAIN_SPLIT
 from posttrain.preference.comparison_eval import PreferenceAccuracyEvaluator
@@ -81,7 +81,7 @@ def preference_model_evaluators(inputs: EvalInputs) -> list:
     recorded = manifest.related.get("comparisons") or {}
     if "asset" not in recorded:
         raise dg.Failure(f"checkpoint {manifest.partition} records no comparisons table; it is not a preference-model checkpoint")
-    heldout = heldout_comparisons(load_trained_version(manifest, recorded["asset"]), inputs.config.max_heldout_sequences or None)
+    heldout = heldout_comparisons(inputs.tables[recorded["asset"]], inputs.config.max_heldout_sequences or None)
     if not heldout:
         raise dg.Failure(
             f"the {recorded['asset']} version {recorded.get('data_version')} that {manifest.partition} was trained on has no "
@@ -92,7 +92,7 @@ def preference_model_evaluators(inputs: EvalInputs) -> list:
 
 
 PREFERENCE_MODEL_EVAL = EvalSpec(
-    training=PREFERENCE_MODEL, data_assets=(), evaluators=preference_model_evaluators, score_metric="comparison_accuracy"
+    training=PREFERENCE_MODEL, data_assets=COMPARISON_ASSETS, evaluators=preference_model_evaluators, score_metric="comparison_accuracy"
 )
 preference_model_eval_report = build_eval_asset(PREFERENCE_MODEL_EVAL)
 

@@ -24,7 +24,7 @@ import dagster as dg
 from assets.base_model import materialized_base_model
 from assets.chaining import InitFromError, resolve_sampler
 from assets.checkpoint_manifest import CheckpointManifest, read_manifest
-from assets.evals import EvalInputs, EvalSpec, build_eval_asset, load_trained_version
+from assets.evals import EvalInputs, EvalSpec, build_eval_asset
 from assets.rollouts import build_rollouts_asset
 from assets.training import RecipeInputs, RecipeRun, TrainingSpec, build_checkpoints_asset, build_training_asset
 from posttrain.datasets.schemas import HELDOUT_SPLIT, TRAIN_SPLIT
@@ -158,7 +158,7 @@ def rlhf_evaluators(inputs: EvalInputs) -> list:
     if inputs.tinker is None:
         raise dg.Failure("rlhf_eval_report needs the tinker resource to sample the parent and to run the preference model")
     recorded, judge = manifest.related["prompts"], manifest.related["preference_model"]
-    prompts = load_prompts(recorded["asset"], load_trained_version(manifest, recorded["asset"]), HELDOUT_SPLIT)
+    prompts = load_prompts(recorded["asset"], inputs.tables[recorded["asset"]], HELDOUT_SPLIT)
     prompts = prompts[: config.max_problems] if config.max_problems else prompts
     if not prompts:
         raise dg.Failure(
@@ -181,7 +181,7 @@ def rlhf_evaluators(inputs: EvalInputs) -> list:
     return [ComparisonEvaluator(renderer, prompts, opponent, preference_model, max_tokens=config.max_tokens, seed=config.seed)]
 
 
-RLHF_EVAL = EvalSpec(training=RLHF, data_assets=(), evaluators=rlhf_evaluators, score_metric="win_rate")
+RLHF_EVAL = EvalSpec(training=RLHF, data_assets=PROMPT_ASSETS, evaluators=rlhf_evaluators, score_metric="win_rate")
 rlhf_eval_report = build_eval_asset(RLHF_EVAL)
 
 RLHF_DATA_ASSETS = ("base_model", "rl_problems")

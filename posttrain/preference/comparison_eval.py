@@ -1,5 +1,8 @@
 """Evaluators judged by a preference model (``posttrain.eval.base.Evaluator`` s).
 
+Both report per-item scores (``score_items``, keyed like ``posttrain.eval.accuracy.problem_keys``), from which
+an eval report computes n, standard errors and paired differences with the parent.
+
 - :class:`PreferenceAccuracyEvaluator` scores *a preference model*: on held-out comparisons, does it
   prefer the chosen completion (both orders averaged)? Also its accuracy in each order alone, the share of
   comparisons where both orders pick the same completion, and its mean position bias.
@@ -18,8 +21,9 @@ from collections.abc import Callable, Sequence
 
 from posttrain.completers import ChatRenderer, MessageCompleter, SamplingSettings, TokenCompleter
 from posttrain.eval.base import EvalTarget
+from posttrain.eval.items import ItemScores, mean_metrics, unique_keys
 from posttrain.eval.stats import mean_estimate, paired_difference
-from posttrain.preference.comparison_format import Comparison, ComparisonRenderer
+from posttrain.preference.comparison_format import Comparison, ComparisonRenderer, Message
 from posttrain.preference.env import PreferencePrompt
 from posttrain.preference.preference_model import PairVerdict, PreferenceModel
 
@@ -29,8 +33,48 @@ def verdict_correct(chosen_wins: float) -> float:
     return 1.0 if chosen_wins > 0.5 else 0.0 if chosen_wins < 0.5 else 0.5
 
 
+def item_keys(conversations: Sequence[list[Message]]) -> list[str]:
+    """Item keys of prompt conversations: the hash of (system prompt, last user message), as
+    ``posttrain.eval.accuracy.problem_keys`` keys the same problems, so reports pair across evaluators."""
+    def text(messages: list[Message]) -> str:
+        system = messages[0]["content"] if messages and messages[0]["role"] == "system" else ""
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        return f"{system}\n{users[-1] if users else ''}"
+
+    return unique_keys(text(messages) for messages in conversations)
+
+
+def summarize(items: ItemScores) -> dict[str, float]:
+    """``{metric, metric_stderr, metric_n}`` of each metric's items (``posttrain.eval.stats``)."""
+    summary: dict[str, float] = {}
+    for metric, values in items.items():
+        if values:
+            summary.update(mean_estimate(list(values.values())).as_dict(metric))
+    return summary
+
+
+def accuracy_items(verdicts: Sequence[PairVerdict], keys: Sequence[str], prefix: str = "") -> ItemScores:
+    """Per comparison whose first completion is the chosen one: preferred both orders averaged, in each order
+    alone, whether the orders agree, and the position bias."""
+    items: ItemScores = {
+        f"{prefix}comparison_accuracy": {k: verdict_correct(v.first_wins) for k, v in zip(keys, verdicts)},
+        f"{prefix}accuracy_chosen_first": {k: verdict_correct((1.0 - v.forward.score) / 2) for k, v in zip(keys, verdicts)},
+    }
+    both = [(k, v, v.swapped) for k, v in zip(keys, verdicts) if v.swapped is not None]
+    if both:
+        items[f"{prefix}accuracy_chosen_second"] = {k: verdict_correct((1.0 + s.score) / 2) for k, _, s in both}
+        items[f"{prefix}orders_agree"] = {k: float(bool(v.orders_agree)) for k, v, _ in both}
+        items[f"{prefix}position_bias"] = {k: v.position_bias for k, v, _ in both}
+    return items
+
+
+def accuracy_metrics(verdicts: Sequence[PairVerdict], prefix: str = "") -> dict[str, float]:
+    """:func:`accuracy_items` as means with standard errors."""
+    return summarize(accuracy_items(verdicts, [str(index) for index in range(len(verdicts))], prefix))
+
+
 class PreferenceAccuracyEvaluator:
-    """``{prefix}comparison_accuracy`` (± s.e.) and order statistics of a preference model.
+    """``{prefix}comparison_accuracy`` and order statistics of a preference model, per held-out comparison.
 
     ``comparisons``: held-out comparisons with the *chosen* completion as A.
     """
@@ -39,25 +83,16 @@ class PreferenceAccuracyEvaluator:
         if not comparisons:
             raise ValueError("PreferenceAccuracyEvaluator got no comparisons: pass the held-out comparisons")
         self.comparisons = list(comparisons)
+        self.keys = item_keys([c.prompt for c in self.comparisons])
         self.renderer = renderer
         self.prefix = prefix
 
-    def __call__(self, target: EvalTarget) -> dict[str, float]:
+    def score_items(self, target: EvalTarget) -> ItemScores:
         verdicts = PreferenceModel(target.sampling_client(), self.renderer, orders="both").judge(self.comparisons)
-        return accuracy_metrics(verdicts, self.prefix)
+        return accuracy_items(verdicts, self.keys, self.prefix)
 
-
-def accuracy_metrics(verdicts: Sequence[PairVerdict], prefix: str = "") -> dict[str, float]:
-    """Metrics of verdicts on comparisons whose first completion is the chosen one."""
-    metrics: dict[str, float] = {}
-    metrics.update(mean_estimate([verdict_correct(v.first_wins) for v in verdicts]).as_dict(f"{prefix}comparison_accuracy"))
-    metrics.update(mean_estimate([verdict_correct((1.0 - v.forward.score) / 2) for v in verdicts]).as_dict(f"{prefix}accuracy_chosen_first"))
-    swapped = [v.swapped for v in verdicts if v.swapped is not None]
-    if swapped:
-        metrics.update(mean_estimate([verdict_correct((1.0 + s.score) / 2) for s in swapped]).as_dict(f"{prefix}accuracy_chosen_second"))
-        metrics.update(mean_estimate([float(bool(v.orders_agree)) for v in verdicts]).as_dict(f"{prefix}orders_agree"))
-        metrics.update(mean_estimate([v.position_bias for v in verdicts]).as_dict(f"{prefix}position_bias"))
-    return metrics
+    def __call__(self, target: EvalTarget) -> dict[str, float]:
+        return mean_metrics(self.score_items(target))
 
 
 def greedy_answers(target: EvalTarget, renderer: ChatRenderer, prompts: Sequence[PreferencePrompt], max_tokens: int, seed: int) -> list[str]:
@@ -68,10 +103,11 @@ def greedy_answers(target: EvalTarget, renderer: ChatRenderer, prompts: Sequence
 
 
 class ComparisonEvaluator:
-    """``{prefix}win_rate`` (± s.e.) of a target over a fixed opponent, judged by a preference model.
+    """``{prefix}win_rate`` of a target over a fixed opponent judged by a preference model, per held-out prompt.
 
-    The opponent's answers (and verifier grades) are computed once, at the first call, and reused for
-    every target an eval report scores. ``judge`` returns the preference model (created on first use).
+    The opponent's answers are computed once, at the first call, and reused for every target an eval report
+    scores. ``judge`` returns the preference model (created on first use). Where prompts have a verifier,
+    ``{prefix}accuracy`` is the target's verifier grade per prompt (the report pairs it with the parent's).
     """
 
     def __init__(
@@ -97,33 +133,51 @@ class ComparisonEvaluator:
         self._opponent_answers: list[str] | None = None
         self._judge: PreferenceModel | None = None
 
-    def __call__(self, target: EvalTarget) -> dict[str, float]:
+    def score_items(self, target: EvalTarget) -> ItemScores:
         if self._opponent_answers is None:
             self._opponent_answers = greedy_answers(self.opponent(), self.renderer, self.prompts, self.max_tokens, self.seed)
         if self._judge is None:
             self._judge = self.judge()
         answers = greedy_answers(target, self.renderer, self.prompts, self.max_tokens, self.seed)
-        return comparison_metrics(self.prompts, answers, self._opponent_answers, self._judge, self.prefix)
+        return comparison_items(self.prompts, answers, self._opponent_answers, self._judge, self.prefix)
+
+    def __call__(self, target: EvalTarget) -> dict[str, float]:
+        return mean_metrics(self.score_items(target))
+
+
+def comparison_items(
+    prompts: Sequence[PreferencePrompt], answers: Sequence[str], opponent_answers: Sequence[str], judge: PreferenceModel, prefix: str = ""
+) -> ItemScores:
+    """Per prompt: the win of ``answers`` over ``opponent_answers`` (policy shown first, both orders judged),
+    the judge's position bias, and the verifier grade of ``answers`` where the prompt has a verifier."""
+    comparisons = [
+        Comparison(prompt.messages, [{"role": "assistant", "content": mine}], [{"role": "assistant", "content": theirs}])
+        for prompt, mine, theirs in zip(prompts, answers, opponent_answers, strict=True)
+    ]
+    keys = item_keys([prompt.messages for prompt in prompts])
+    verdicts = judge.judge(comparisons)
+    items: ItemScores = {f"{prefix}win_rate": {k: v.first_wins for k, v in zip(keys, verdicts)}}
+    biased = {k: v.position_bias for k, v in zip(keys, verdicts) if v.swapped is not None}
+    if biased:
+        items[f"{prefix}judge_position_bias"] = biased
+    graded = {k: grade for k, p, mine in zip(keys, prompts, answers) if (grade := p.grade(mine)) is not None}
+    if graded:
+        items[f"{prefix}accuracy"] = graded
+    return items
 
 
 def comparison_metrics(
     prompts: Sequence[PreferencePrompt], answers: Sequence[str], opponent_answers: Sequence[str], judge: PreferenceModel, prefix: str = ""
 ) -> dict[str, float]:
-    """Win rate of ``answers`` over ``opponent_answers`` (policy shown first, both orders judged), and
-    verifier accuracy with its paired difference where the prompts have verifiers."""
-    comparisons = [
-        Comparison(prompt.messages, [{"role": "assistant", "content": mine}], [{"role": "assistant", "content": theirs}])
-        for prompt, mine, theirs in zip(prompts, answers, opponent_answers, strict=True)
-    ]
-    verdicts = judge.judge(comparisons)
-    metrics = mean_estimate([v.first_wins for v in verdicts]).as_dict(f"{prefix}win_rate")
-    biases = [v.position_bias for v in verdicts if v.swapped is not None]
-    if biases:
-        metrics.update(mean_estimate(biases).as_dict(f"{prefix}judge_position_bias"))
-    graded = [(p.row_id, p.grade(mine), p.grade(theirs)) for p, mine, theirs in zip(prompts, answers, opponent_answers) if p.problem]
-    if graded:
-        metrics.update(mean_estimate([mine for _, mine, _ in graded]).as_dict(f"{prefix}accuracy"))
-        metrics[f"{prefix}opponent_accuracy"] = mean_estimate([theirs for _, _, theirs in graded]).value
-        difference = paired_difference({k: m for k, m, _ in graded}, {k: t for k, _, t in graded})
+    """:func:`comparison_items` as means with standard errors, plus the opponent's verifier accuracy and the
+    paired difference of accuracies where the prompts have verifiers."""
+    items = comparison_items(prompts, answers, opponent_answers, judge, prefix)
+    metrics = summarize(items)
+    mine = items.get(f"{prefix}accuracy")
+    if mine:
+        keys = item_keys([prompt.messages for prompt in prompts])
+        theirs = {k: grade for k, p, answer in zip(keys, prompts, opponent_answers) if (grade := p.grade(answer)) is not None}
+        metrics[f"{prefix}opponent_accuracy"] = mean_estimate(list(theirs.values())).value
+        difference = paired_difference(mine, theirs)
         metrics.update({f"{prefix}accuracy_delta": difference.delta, f"{prefix}accuracy_delta_stderr": difference.stderr})
     return metrics

@@ -164,12 +164,14 @@ def test_rlhf_rollouts_carry_their_pairwise_scores(rlhf_run):
 def test_eval_reports_score_the_judge_and_the_rlhf_checkpoint_against_its_parent(rlhf_run):
     assert rlhf_run.pm_eval.success and rlhf_run.rlhf_eval.success
     pm = _report(rlhf_run, "preference_model", _manifests("preference_model")[-1].partition)
-    assert {"comparison_accuracy", "comparison_accuracy_stderr", "orders_agree", "position_bias", "accuracy_chosen_first"} <= set(pm)
-    assert 0.0 <= pm["comparison_accuracy"]["checkpoint"] <= 1.0 and pm["comparison_accuracy"]["parent"] is not None
+    assert {"comparison_accuracy", "orders_agree", "position_bias", "accuracy_chosen_first", "accuracy_chosen_second"} <= set(pm)
+    row = pm["comparison_accuracy"]
+    assert row["n"] == 3 and 0.0 <= row["checkpoint"] <= 1.0 and row["parent"] is not None and row["delta_parent_stderr"] is not None
     rlhf = _report(rlhf_run, "rlhf", _manifests("rlhf")[-1].partition)
-    assert {"win_rate", "win_rate_stderr", "win_rate_n", "accuracy", "accuracy_delta", "judge_position_bias"} <= set(rlhf)
+    assert {"win_rate", "accuracy", "judge_position_bias"} <= set(rlhf)
     assert rlhf["win_rate"]["parent"] == pytest.approx(0.5)  # the parent against itself: identical answers tie
-    assert rlhf["win_rate_n"]["checkpoint"] == 3.0 and 0.0 <= rlhf["win_rate"]["checkpoint"] <= 1.0
+    assert rlhf["win_rate"]["n"] == 3 and 0.0 <= rlhf["win_rate"]["checkpoint"] <= 1.0
+    assert rlhf["accuracy"]["n"] == 3 and rlhf["accuracy"]["delta_parent"] is not None  # the verifier, paired with the parent
 
 
 def test_lineage_names_the_judge_and_its_comparison_data(rlhf_run):
