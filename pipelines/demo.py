@@ -105,7 +105,9 @@ DEMO_RLHF = {
     "max_steps": 10,
     "save_every": 10,
 }
-RLHF_STAGE = DemoStage("rlhf", {"rl_problems": {"config": DEMO_DATA}, "rlhf_checkpoint": {"config": DEMO_RLHF}})
+# Each held-out prompt costs the judge 6 compute_logprobs calls per model scored: 64 prompts keep the report to minutes.
+RLHF_STAGE = DemoStage("rlhf", {"rl_problems": {"config": DEMO_DATA}, "rlhf_checkpoint": {"config": DEMO_RLHF}},
+                       eval_config={**DEMO_EVAL, "max_problems": 64})
 STAGE_SETS: dict[str, tuple[DemoStage, ...]] = {"default": STAGES, "rlhf": (SFT_STAGE, PREFERENCE_MODEL_STAGE, RLHF_STAGE)}
 
 
