@@ -7,8 +7,6 @@ PIP := $(VENV)/bin/pip
 STATE_DIR := $(abspath .state)
 export DAGSTER_HOME := $(STATE_DIR)/dagster
 export POSTTRAIN_STATE_DIR := $(STATE_DIR)
-export HF_HUB_OFFLINE := 1
-export HF_DATASETS_OFFLINE := 1
 export TINKER_TELEMETRY := 0
 export TOKENIZERS_PARALLELISM := false
 # The install stamp is keyed on the dependency spec, so re-running with an unchanged venv is instant.
@@ -18,6 +16,11 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml scripts/system_deps.sh 2>
 export CUDA_TORCH_CHECK := import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(0 if torch.version.cuda and v >= (2, 11) else 1)
 
 .PHONY: install demo test test-slow test-all test-postgres test-gpu ui bench clean-state
+
+# Only the demo and the tests run offline (their data is generated or local); `make ui` and
+# `python -m pipelines` follow the environment, so a hub dataset named in the launchpad downloads.
+demo test test-slow test-all test-postgres: export HF_HUB_OFFLINE := 1
+demo test test-slow test-all test-postgres: export HF_DATASETS_OFFLINE := 1
 
 $(STAMP): pyproject.toml scripts/system_deps.sh
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }

@@ -53,9 +53,10 @@ def build_code_rl(inputs: RecipeInputs) -> RecipeRun:
         raise dg.Failure(f"code_rl_checkpoint config is invalid: {'; '.join(problems)}")
     tokenizer = load_tokenizer(inputs.base_model)
     try:
+        renderer = get_renderer(config.renderer, tokenizer, base_model=inputs.base_model)
         dataset = build_rl_dataset(
             CODE_ENV,
-            get_renderer(config.renderer, tokenizer),
+            renderer,
             group_size=config.group_size,
             groups_per_batch=config.groups_per_batch,
             seed=config.training.seed,
@@ -72,7 +73,7 @@ def build_code_rl(inputs: RecipeInputs) -> RecipeRun:
         RLRecipe(config, dataset, tokenizer),
         row_sinks=[JsonlRowSink(Path(inputs.log_dir) / ROLLOUTS_FILE)],
         related={"env": {"name": CODE_ENV, "options": dict(config.env_options), "problems_table": True}},
-        renderer=config.renderer,
+        renderer=renderer.name,
     )
 
 

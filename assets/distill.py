@@ -125,8 +125,9 @@ def build_distill(inputs: RecipeInputs) -> RecipeRun:
         table = prompts_table(inputs.tables[prompts_asset])
         for task in sorted({p.task or config.env for p in rl_problems_from_table(table, TRAIN_SPLIT)}):
             routing.teacher_for(task)  # every train task must have a teacher before anything is sampled
+        renderer = get_renderer(config.renderer, tokenizer, base_model=inputs.base_model)
         dataset = build_rl_dataset(
-            TABLE_ENV, get_renderer(config.renderer, tokenizer), group_size=config.group_size,
+            TABLE_ENV, renderer, group_size=config.group_size,
             groups_per_batch=config.groups_per_batch, seed=config.training.seed,
             format_coef=config.format_coef, table=table, options=config.env_options,
         )
@@ -141,7 +142,7 @@ def build_distill(inputs: RecipeInputs) -> RecipeRun:
             "env": {"name": TABLE_ENV, "options": dict(config.env_options)},
             "prompts": {"asset": prompts_asset, "data_version": inputs.data_version(prompts_asset)},
         },
-        renderer=config.renderer,
+        renderer=renderer.name,
     )
 
 
@@ -200,7 +201,7 @@ class TeacherResponsesConfig(dg.Config):
         "tinker://.../sampler_weights/... path.",
     )
     system_prompt: str = Field(default=DEFAULT_SYSTEM_PROMPT, description="The system prompt the teacher answers under (left out of the rows).")
-    renderer: str = Field(default="chatml", description="Chat renderer of the teacher's prompts.")
+    renderer: str = Field(default="auto", description="Chat renderer of the teacher's prompts; auto = the base model's recommended one.")
     max_tokens: int = Field(default=64, description="Teacher answer budget.")
     temperature: float = Field(default=0.0, description="0 = greedy answers; > 0 = sampled at this temperature.")
     seed: int = Field(default=0, description="Sampling seed (per prompt: seed + position).")
@@ -236,7 +237,7 @@ def teacher_responses(
     problems = problems[: config.limit] if config.limit else problems
     sampling = TeacherSampling(config.system_prompt, config.max_tokens, config.temperature, config.seed)
     with tinker.session(f"{RESPONSES_ASSET} from {teacher.name}") as client:
-        renderer = get_renderer(config.renderer, load_tokenizer(teacher.base_model))
+        renderer = get_renderer(config.renderer, load_tokenizer(teacher.base_model), base_model=teacher.base_model)
         try:
             rows = answer_prompts(teacher.create_sampling_client(client), renderer, problems, sampling, source=f"teacher:{teacher.name}")
         except ValueError as error:
@@ -263,7 +264,7 @@ def build_prompt_distill(inputs: RecipeInputs) -> RecipeRun:
     config: PromptDistillConfig = inputs.config
     responses = inputs.tables[RESPONSES_ASSET]
     try:
-        renderer = get_renderer(config.renderer, load_tokenizer(inputs.base_model))
+        renderer = get_renderer(config.renderer, load_tokenizer(inputs.base_model), base_model=inputs.base_model)
         tokens = render_chat_table(responses, renderer, "last_assistant_message", config.max_length)
         recipe = PromptDistillRecipe(config.supervised(), RenderedTokens(tokens, split=TRAIN_SPLIT),
                                      data_version=inputs.data_version(RESPONSES_ASSET))
@@ -272,7 +273,7 @@ def build_prompt_distill(inputs: RecipeInputs) -> RecipeRun:
     metadata = inputs.versions[RESPONSES_ASSET].metadata
     teacher = {"partition": metadata.get("teacher_partition") or None, "sampler_path": metadata.get("teacher_sampler_path"),
                "name": metadata.get("teacher"), "system_prompt": metadata.get("system_prompt")}
-    return RecipeRun(recipe, related={"teachers": [teacher]}, renderer=config.renderer)
+    return RecipeRun(recipe, related={"teachers": [teacher]}, renderer=renderer.name)
 
 
 PROMPT_DISTILL = TrainingSpec(

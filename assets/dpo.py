@@ -143,7 +143,7 @@ class OnPolicyConfig(dg.Config):
     group_size: int = Field(default=4, description="Answers sampled per prompt; a prompt with a correct and an incorrect one gives a pair.")
     max_tokens: int = Field(default=32, description="Answer budget per sample.")
     temperature: float = Field(default=1.0, description="Sampling temperature (higher = more varied answers, more pairs).")
-    renderer: str = Field(default="chatml", description="Chat renderer of the prompts (the sampler's).")
+    renderer: str = Field(default="auto", description="Chat renderer of the prompts (the sampler's); auto = the base model's recommended one.")
     seed: int = Field(default=0, description="Sampling seed; also picks which correct/incorrect answers form the pair.")
     limit: int = Field(default=0, description="Sample at most this many problems of either split (0 = all).")
 
@@ -188,7 +188,7 @@ def onpolicy_comparisons(
     context.log.info(f"{COMPARISONS_ASSET}: {sampler.describe()} answers {problems.num_rows} prompts x {config.group_size}")
     with data_errors(COMPARISONS_ASSET), tinker.session(f"{COMPARISONS_ASSET} from {sampler.describe()}") as client:
         result = build_onpolicy_pairs(
-            client, sampler.sampler_path, get_renderer(config.renderer, load_tokenizer(sampler.base_model)), problems,
+            client, sampler.sampler_path, get_renderer(config.renderer, load_tokenizer(sampler.base_model), base_model=sampler.base_model), problems,
             split=None, num_samples=config.group_size, max_tokens=config.max_tokens, temperature=config.temperature,
             seed=config.seed, grade=grade_answer,
         )

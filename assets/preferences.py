@@ -40,6 +40,7 @@ from posttrain.datasets import schemas, summary, tokens
 from posttrain.datasets.loaders import load
 from posttrain.datasets.rows import EmptyDatasetError, SkipLog
 from posttrain.datasets.tokens import with_tokenizer_identity
+from posttrain.renderers import get_renderer
 
 
 class ComparisonSourceConfig(SourceConfig):
@@ -51,7 +52,7 @@ class ComparisonSourceConfig(SourceConfig):
 
 
 class PairRenderConfig(dg.Config):
-    renderer: str = Field(default="chatml", description="Renderer name.")
+    renderer: str = Field(default="auto", description="Renderer name; 'auto' = the one recommended for the base model.")
     max_length: int | None = Field(default=2048, description="Truncate each rendered side to this many tokens.")
     skip_bad_rows: bool = Field(default=False, description="Drop pairs left with an untrained side and report them.")
 
@@ -115,14 +116,14 @@ def render_pairs(context: dg.AssetExecutionContext, name: str, config: PairRende
     skip = SkipLog(skip_bad_rows=config.skip_bad_rows)
     with data_errors(name):
         tokenizer, identity = base_model_tokenizer(context, name)
-        renderer = tokens.get_renderer(config.renderer, tokenizer)
+        renderer = get_renderer(config.renderer, tokenizer, base_model=identity.name)
         table = tokens.render_comparisons_table(comparisons, renderer, config.max_length, skip)
         if config.skip_bad_rows:
             table = drop_untrained(table, ["chosen_num_trained_tokens", "rejected_num_trained_tokens"], skip)
         if table.num_rows == 0:
             raise EmptyDatasetError(f"no pairs left ({skip.count} had an untrained side)")
     table = with_tokenizer_identity(table, identity)
-    context.log.info(f"{name}: rendered {table.num_rows} preference pairs with {config.renderer}")
+    context.log.info(f"{name}: rendered {table.num_rows} preference pairs with {renderer.name}")
     lengths = [
         pc.add(pc.list_value_length(table.column(f"{side}_model_input")), 1).to_pylist() for side in ("chosen", "rejected")
     ]
@@ -131,7 +132,7 @@ def render_pairs(context: dg.AssetExecutionContext, name: str, config: PairRende
     preview = token_preview(table, tokenizer, "chosen_", limit=2) + token_preview(table, tokenizer, "rejected_", limit=2)
     truncated = int(pc.sum(table.column("truncated")).as_py() or 0)
     metadata = {
-        "renderer": dg.MetadataValue.text(config.renderer),
+        "renderer": dg.MetadataValue.text(renderer.name),
         **tokenizer_identity_metadata(identity),
         "max_length": dg.MetadataValue.int(config.max_length or 0),
         "skipped_rows": dg.MetadataValue.int(skip.count),

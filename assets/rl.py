@@ -63,7 +63,7 @@ def build_rl(inputs: RecipeInputs) -> RecipeRun:
         raise dg.Failure(side_loading_error("rl_checkpoint", config.env))
     tokenizer = load_tokenizer(inputs.base_model)
     try:
-        renderer = get_renderer(config.renderer, tokenizer)
+        renderer = get_renderer(config.renderer, tokenizer, base_model=inputs.base_model)
         dataset = build_rl_dataset(
             TABLE_ENV,
             renderer,
@@ -83,7 +83,7 @@ def build_rl(inputs: RecipeInputs) -> RecipeRun:
         row_sinks=[JsonlRowSink(Path(inputs.log_dir) / ROLLOUTS_FILE)],
         related={"env": {"name": TABLE_ENV, "options": dict(config.env_options), "problems_table": True,
                          "format_coef": config.format_coef}},
-        renderer=config.renderer,
+        renderer=renderer.name,
     )
 
 

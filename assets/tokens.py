@@ -21,13 +21,18 @@ from assets.datasets import DATA_GROUP, blocking, checked_table_output, data_err
 from posttrain.datasets import schemas, summary, tokens
 from posttrain.datasets.rows import EmptyDatasetError, SkipLog
 from posttrain.datasets.tokens import TokenizerIdentity, check_tokenizer_matches, tokenizer_identity, with_tokenizer_identity
+from posttrain.renderers import get_renderer
 from resources.models import load_tokenizer, tokenizer_path
 
 PREVIEW_ROWS = 3
 
 
 class RenderConfig(dg.Config):
-    renderer: str = Field(default="chatml", description="Renderer name (chatml for SmolLM2; llama3, qwen3, ...).")
+    renderer: str = Field(
+        default="auto",
+        description="Renderer name; 'auto' = the one recommended for the base model (chatml for SmolLM2, llama3 for "
+        "Llama 3 Instruct, qwen3 for Qwen3, deepseekv3 ...), or name one (chatml, llama3, qwen3, role_colon, tml:<family> ...).",
+    )
     train_on_what: str = Field(
         default="last_assistant_message",
         description="Which tokens carry loss weight: last_assistant_message, all_assistant_messages, all_messages, ...",
@@ -117,17 +122,17 @@ def rendered_tokens(context: dg.AssetExecutionContext, config: RenderConfig, cha
     skip = SkipLog(skip_bad_rows=config.skip_bad_rows)
     with data_errors("rendered_tokens"):
         tokenizer, identity = base_model_tokenizer(context, "rendered_tokens")
-        renderer = tokens.get_renderer(config.renderer, tokenizer)
+        renderer = get_renderer(config.renderer, tokenizer, base_model=identity.name)
         table = tokens.render_chat_table(chat_dataset, renderer, config.train_on_what, config.max_length, skip)
         if config.skip_bad_rows:
             table = drop_untrained(table, ["num_trained_tokens"], skip)
         if table.num_rows == 0:
             raise EmptyDatasetError(f"no examples left to train on ({skip.count} had no trained token)")
     table = with_tokenizer_identity(table, identity)
-    context.log.info(f"rendered {table.num_rows} examples with {config.renderer}")
+    context.log.info(f"rendered {table.num_rows} examples with {renderer.name}")
     truncated = int(pc.sum(table.column("truncated")).as_py() or 0)
     metadata = {
-        "renderer": dg.MetadataValue.text(config.renderer),
+        "renderer": dg.MetadataValue.text(renderer.name),
         **tokenizer_identity_metadata(identity),
         "train_on_what": dg.MetadataValue.text(config.train_on_what),
         "max_length": dg.MetadataValue.int(config.max_length or 0),

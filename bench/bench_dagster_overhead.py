@@ -43,7 +43,8 @@ def shared_config(args: argparse.Namespace) -> dict:
 def run_plain(config: dict, model: str, state: Path) -> None:
     """The user's one-file script: same loaders, renderer and training loop, no orchestration."""
     from posttrain.datasets.loaders import LoadSpec, load
-    from posttrain.datasets.tokens import get_renderer, render_chat_table
+    from posttrain.datasets.tokens import render_chat_table
+    from posttrain.renderers import get_renderer
     from posttrain.eval.nll import NllEvaluator
     from posttrain.metrics import JsonlMetricsLogger
     from posttrain.supervised.config import SupervisedConfig

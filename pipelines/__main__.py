@@ -1,15 +1,14 @@
-"""Command line: `python -m pipelines demo | ui | lineage <checkpoint> | benchmark <checkpoint> --task <name> | export <checkpoint> --out DIR`."""
+"""Command line: `python -m pipelines demo | ui | lineage <checkpoint> [--json] | benchmark <checkpoint> --task <name> | export <checkpoint> --out DIR`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     parser = argparse.ArgumentParser(prog="python -m pipelines", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -55,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         # Its output is progress lines and result tables; transformers' per-load "Loading weights" bar is neither.
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        # The demo's data is generated: it runs offline. Everything else follows the environment, so a hub
+        # dataset named in a run config downloads when a network is present.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         from pipelines.definitions import defs
         from pipelines.demo import STAGE_SETS, format_demo, run_demo
 
@@ -69,7 +72,7 @@ def _lineage(args: argparse.Namespace) -> int:
     import dagster as dg
 
     from assets.checkpoint_manifest import all_manifests
-    from pipelines.lineage import format_lineage, trace
+    from pipelines.lineage import format_lineage, lineage_json, trace
     from resources.mlflow import MlflowResource
 
     if args.list or not args.reference:
@@ -82,7 +85,7 @@ def _lineage(args: argparse.Namespace) -> int:
         except LookupError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-        print(format_lineage(lineage))
+        print(json.dumps(lineage_json(lineage), indent=2, default=str) if args.json else format_lineage(lineage))
     return 0
 
 

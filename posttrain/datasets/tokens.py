@@ -21,7 +21,7 @@ from typing import Any
 import pyarrow as pa
 
 from posttrain.datasets import schemas
-from posttrain.datasets.rows import BadRowError, SkipLog
+from posttrain.datasets.rows import BadRowError, SkipLog, compact_messages
 
 
 TOKENIZER_METADATA_KEY = b"posttrain.tokenizer"
@@ -136,12 +136,6 @@ def train_on_what(name: str):
     raise ValueError(f"unknown train_on_what {name!r}; expected one of {valid}")
 
 
-def get_renderer(name: str, tokenizer):
-    """The named renderer; an unknown name raises ValueError listing the known ones."""
-    _, get, _ = _renderers()
-    return get(name, tokenizer)
-
-
 def shift(tokens: Sequence[int], weights: Sequence[float]) -> tuple[list[int], list[int], list[float]]:
     """(model_input, target_tokens, target weights): position i of the input predicts token i + 1."""
     return list(tokens[:-1]), list(tokens[1:]), list(weights[1:])
@@ -156,7 +150,8 @@ def render_chat_table(
     skip = skip or SkipLog()
     row_ids = table.column("row_id").to_pylist()
     splits = table.column("split").to_pylist()
-    batch = _render(render_batch, renderer, table.column("messages").to_pylist(), train_on_what(train_on), max_length, row_ids, skip)
+    conversations = [compact_messages(messages) for messages in table.column("messages").to_pylist()]
+    batch = _render(render_batch, renderer, conversations, train_on_what(train_on), max_length, row_ids, skip)
     rows = []
     for position, index in enumerate(batch["row_index"]):
         model_input, targets, weights = shift(batch["tokens"][position], batch["weights"][position])
@@ -217,11 +212,11 @@ def render_comparisons_table(table: pa.Table, renderer, max_length: int | None, 
     skip = skip or SkipLog()
     row_ids = table.column("row_id").to_pylist()
     splits = table.column("split").to_pylist()
-    prompts = table.column("prompt").to_pylist()
+    prompts = [compact_messages(messages) for messages in table.column("prompt").to_pylist()]
     last = train_on_what_enum.LAST_ASSISTANT_MESSAGE
     rendered = {}
     for side in ("chosen", "rejected"):
-        conversations = [p + c for p, c in zip(prompts, table.column(side).to_pylist(), strict=True)]
+        conversations = [p + compact_messages(c) for p, c in zip(prompts, table.column(side).to_pylist(), strict=True)]
         columns = _render(render_batch, renderer, conversations, last, max_length, row_ids, skip)
         rendered[side] = {index: position for position, index in enumerate(columns["row_index"])}, columns
     rows = []

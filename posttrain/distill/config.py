@@ -30,7 +30,7 @@ class DistillConfig:
     env_options: dict[str, Any] = field(
         default_factory=dict, metadata={"doc": "Env options, as for RL (split, num_epochs, system, limit ...)."}
     )
-    renderer: str = documented("chatml", "Chat renderer of the prompts (chatml, llama3, qwen3 ...).")
+    renderer: str = documented("auto", "Chat renderer of the prompts; auto = the base model's recommended one (chatml, llama3, qwen3 ...).")
     num_batches: int = documented(100, "Steps of a generated env (arithmetic); table envs have one step per groups_per_batch problems.")
     group_size: int = documented(4, "Student samples per prompt.")
     groups_per_batch: int = documented(8, "Prompts per optimizer step.")

@@ -121,7 +121,7 @@ class PromptDistillConfig:
     """SFT of the student on the teacher's train-split answers (rendered without the system prompt)."""
 
     training: TrainingConfig = field(default_factory=TrainingConfig)
-    renderer: str = documented("chatml", "Chat renderer the student is trained and evaluated with.")
+    renderer: str = documented("auto", "Chat renderer the student is trained and evaluated with; auto = the base model's recommended one.")
     max_length: int | None = documented(512, "Cut rendered conversations at this many tokens (None = no cap).")
     batch_size: int = documented(8, "Teacher answers per optimizer step.")
     num_epochs: int = documented(1, "Passes over the teacher's train-split answers.")

@@ -6,7 +6,8 @@
     model_input, weights = renderer.build_supervised_example(messages)   # weights: float32 per token
     message, termination = renderer.parse_response(sampled_tokens)       # ParseTermination
 
-Names: role_colon, llama3, chatml (SmolLM2's format; the default), smollm2 (chatml + SmolLM2's default
+Names: ``auto`` (the default: the renderer recommended for the base model, ``get_renderer("auto", tokenizer,
+base_model=...)``, see model_info.py), role_colon, llama3, chatml (SmolLM2's format), smollm2 (chatml + SmolLM2's default
 system prompt), qwen3, qwen3_disable_thinking, qwen3_instruct, deepseekv3, deepseekv3_thinking, and
 ``tml:<family>`` for tml-renderers' native renderers (``renderer_names()`` lists them all).
 Datasets: ``posttrain.renderers.batch.render_supervised_batch``; datums: ``posttrain.renderers.datum``.
@@ -14,7 +15,7 @@ Datasets: ``posttrain.renderers.batch.render_supervised_batch``; datums: ``postt
 
 from posttrain.renderers.base import RenderContext, RenderedMessage, Renderer
 from posttrain.renderers.datum import SupervisedDatum, make_supervised_datum, reduce_weights
-from posttrain.renderers.registry import DEFAULT_RENDERER, get_renderer, renderer_names
+from posttrain.renderers.registry import DEFAULT_RENDERER, get_renderer, renderer_names, resolve_renderer_name
 from posttrain.renderers.types import (
     Message,
     ParseTermination,
@@ -38,4 +39,5 @@ __all__ = [
     "make_supervised_datum",
     "reduce_weights",
     "renderer_names",
+    "resolve_renderer_name",
 ]

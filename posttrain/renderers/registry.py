@@ -1,4 +1,8 @@
-"""``get_renderer(name, tokenizer)``: the one way to obtain a renderer by name."""
+"""``get_renderer(name, tokenizer, base_model=...)``: the one way to obtain a renderer by name.
+
+``name="auto"`` (every recipe's default) picks the renderer recommended for the base model's family
+(``posttrain.renderers.model_info``); any registered name overrides it.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +14,13 @@ from posttrain.renderers.base import Renderer
 from posttrain.renderers.chatml import SMOLLM2_DEFAULT_SYSTEM_PROMPT, ChatMLRenderer
 from posttrain.renderers.deepseek_v3 import DeepSeekV3Renderer, DeepSeekV3ThinkingRenderer
 from posttrain.renderers.llama3 import Llama3Renderer
+from posttrain.renderers.model_info import AUTO, recommended_renderer, renderer_for_tokenizer
 from posttrain.renderers.qwen3 import Qwen3DisableThinkingRenderer, Qwen3InstructRenderer, Qwen3Renderer
 from posttrain.renderers.role_colon import RoleColonRenderer
 from posttrain.renderers.types import RendererError
 
 TML_PREFIX = "tml:"
-DEFAULT_RENDERER = "chatml"  # SmolLM2-135M-Instruct, the embedded model
+DEFAULT_RENDERER = AUTO  # the base model's recommended renderer (chatml for SmolLM2, the embedded model)
 
 RENDERERS: dict[str, Callable[[Any], Renderer]] = {
     "role_colon": RoleColonRenderer,
@@ -39,11 +44,29 @@ def renderer_names(include_tml: bool = True) -> list[str]:
     return names
 
 
-def get_renderer(name: str, tokenizer: Any = None) -> Renderer:
-    """The renderer ``name`` over ``tokenizer`` (an HF fast tokenizer or a tml-renderers tokenizer).
+def resolve_renderer_name(name: str, base_model: str | None = None, tokenizer: Any = None) -> str:
+    """``name`` itself, or for ``auto`` the renderer recommended for ``base_model`` (by family name, else by
+    the control tokens of ``tokenizer``); a clear error when neither tells."""
+    if name != AUTO:
+        return name
+    found = (recommended_renderer(base_model) if base_model else None) or (
+        renderer_for_tokenizer(tokenizer) if tokenizer is not None else None
+    )
+    if found is None:
+        raise RendererError(
+            f"renderer 'auto' cannot tell the chat format of base model {base_model or '(unnamed)'!r}; set renderer "
+            f"to one of: {', '.join(renderer_names())}"
+        )
+    return found
+
+
+def get_renderer(name: str, tokenizer: Any = None, *, base_model: str | None = None) -> Renderer:
+    """The renderer ``name`` over ``tokenizer`` (an HF fast tokenizer or a tml-renderers tokenizer); its
+    ``.name`` is the resolved name (never ``auto``), which is what a run should record.
 
     ``tml:<family>`` names (e.g. ``tml:kimi_k2``) bring their own tokenizer; ``tokenizer`` may be None.
     """
+    name = resolve_renderer_name(name, base_model, tokenizer)
     if isinstance(name, str) and name.startswith(TML_PREFIX):
         from posttrain.renderers.tml import TmlRenderer, tml_families
 

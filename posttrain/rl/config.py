@@ -35,7 +35,7 @@ class RLConfig:
         metadata={"doc": "Env options: problems/gsm8k/reasoning_gym take split, num_epochs, system (gsm8k/reasoning_gym "
                          "also limit); guess_number takes low, high, max_turns; arithmetic none."},
     )
-    renderer: str = documented("chatml", "Chat renderer that turns problems into prompts and parses answers (chatml, llama3, qwen3 ...).")
+    renderer: str = documented("auto", "Chat renderer that turns problems into prompts and parses answers; auto = the base model's recommended one (chatml, llama3, qwen3 ...).")
     num_batches: int = documented(100, "Steps of a generated env (arithmetic, guess_number); table envs have one step per groups_per_batch problems.")
     format_coef: float = documented(0.1, "Reward penalty for an answer without the expected format: reward = format_coef*(well_formed-1) + score.")
     group_size: int = documented(4, "Samples per problem (a group); advantages are centred within each group.")

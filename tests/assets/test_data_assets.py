@@ -1,5 +1,6 @@
 """Real Dagster materializations of the data assets, stored by the parquet IO manager."""
 
+import hashlib
 from pathlib import Path
 
 import dagster as dg
@@ -145,6 +146,19 @@ def test_skip_bad_rows_reports_count_and_samples(tmp_path: Path, write_jsonl):
     meta = metadata_of(result, "chat_dataset")
     assert meta["dagster/row_count"] == 2 and meta["skipped_rows"] == 1
     assert f"{path} line 2: malformed JSON" in meta["skipped_samples"]
+    assert meta["rows_read"] == 3 and meta["source_kind"] == "local"
+    assert meta["revision"] == "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_the_default_reads_the_whole_split_and_records_where_it_came_from(tmp_path: Path, write_jsonl, hub_mirror):
+    path = write_jsonl([chat_line(f"q{i}", f"a{i}") for i in range(450)])
+    meta = metadata_of(run([chat_dataset], tmp_path / "a", {"chat_dataset": SourceConfig(source=str(path))}), "chat_dataset")
+    assert meta["dagster/row_count"] == 450 == meta["rows_read"]
+    assert meta["split/train"] + meta["split/heldout"] == 450
+    preset = metadata_of(run([chat_dataset], tmp_path / "b", {"chat_dataset": SourceConfig(source="no_robots")}), "chat_dataset")
+    assert (preset["source_kind"], preset["source_split"]) == ("mirror", "train")
+    assert preset["source_location"] == str(hub_mirror / "HuggingFaceH4" / "no_robots")
+    assert preset["revision"].startswith("sha256:") and preset["rows_read"] == 3
 
 
 def test_unknown_renderer_fails_before_writing_tokens(tmp_path: Path):

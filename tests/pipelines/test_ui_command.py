@@ -58,28 +58,10 @@ def test_ui_serves_both_uis_launches_training_from_the_launchpad_and_leaves_noth
     assert data.execute_in_process(instance=dagster_instance, run_config=data_config).success
 
     dagster_port, mlflow_port = free_port(), free_port()
-    command = ["-m", "pipelines", "ui", "--dagster-port", str(dagster_port), "--mlflow-port", str(mlflow_port)]
-    ui = subprocess.Popen(
-        [sys.executable, *command],
-        cwd=repo_root(),
-        env=dict(os.environ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    ui = _start_ui(dagster_port, mlflow_port, project_state / "ui.log")
     descendants: list[psutil.Process] = []
     try:
         base = f"http://127.0.0.1:{dagster_port}"
-        deadline = time.monotonic() + 240
-        up = False
-        while time.monotonic() < deadline and ui.poll() is None:
-            up = _answers(f"{base}/server_info") and _answers(f"http://127.0.0.1:{mlflow_port}/health")
-            if up:
-                break
-            time.sleep(1)
-        assert up, f"UIs did not come up; ui exited with {ui.poll()}"
-
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             page = browser.new_page()
@@ -108,6 +90,125 @@ def test_ui_serves_both_uis_launches_training_from_the_launchpad_and_leaves_noth
         for process in descendants:
             if process.is_running():
                 process.kill()
+
+
+def _start_ui(dagster_port: int, mlflow_port: int, log_path: Path) -> subprocess.Popen:
+    """`python -m pipelines ui` on the given ports (its output to `log_path`, never an unread pipe that
+    fills and stalls the servers), returned once both UIs answer."""
+    command = ["-m", "pipelines", "ui", "--dagster-port", str(dagster_port), "--mlflow-port", str(mlflow_port)]
+    ui = subprocess.Popen(
+        [sys.executable, *command],
+        cwd=repo_root(),
+        env=dict(os.environ),
+        stdout=log_path.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 240
+    up = False
+    while time.monotonic() < deadline and ui.poll() is None:
+        up = _answers(f"http://127.0.0.1:{dagster_port}/server_info") and _answers(f"http://127.0.0.1:{mlflow_port}/health")
+        if up:
+            return ui
+        time.sleep(1)
+    _stop_tree(ui)
+    raise AssertionError(f"UIs did not come up; ui exited with {ui.poll()}; see {log_path}")
+
+
+def _stop_tree(ui: subprocess.Popen) -> None:
+    if ui.poll() is None:
+        processes = psutil.Process(ui.pid).children(recursive=True) + [psutil.Process(ui.pid)]
+        for process in processes:
+            if process.is_running():
+                process.kill()
+
+
+TRAINING_JOBS = [
+    f"{recipe}_{kind}"
+    for recipe in ("sft", "dpo", "rl", "code_rl", "distill", "prompt_distill")
+    for kind in ("train", "chain")
+]
+SCAFFOLD_AND_EDIT = """() => {
+    const editor = document.querySelector('.CodeMirror').CodeMirror;
+    const text = editor.getValue();
+    if (!/learning_rate: /.test(text)) return false;
+    editor.setValue(text.replace(/learning_rate: [^\\n]+/, 'learning_rate: 3e-5'));
+    return true;
+}"""
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+def test_every_training_job_launches_after_a_person_scaffolds_its_defaults_and_edits_one(
+    dagster_instance: dg.DagsterInstance, project_state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """For each recipe's `_train` and `_chain` job: "Scaffold all default config" (whose YAML the launchpad
+    rewrites in JavaScript: `eps: 1e-12`), change the learning rate to `3e-5` (exponent notation, a string
+    to YAML 1.1), "Launch run", and the run starts; it is then terminated (starting is what is tested)."""
+    from dagster_graphql import DagsterGraphQLClient
+    from playwright.sync_api import sync_playwright
+
+    monkeypatch.setenv("POSTTRAIN_BASE_MODEL", TINY_MODEL)
+    dagster_port, mlflow_port = free_port(), free_port()
+    ui = _start_ui(dagster_port, mlflow_port, project_state / "ui.log")
+    client = DagsterGraphQLClient("127.0.0.1", port_number=dagster_port)
+    base = f"http://127.0.0.1:{dagster_port}/locations/pipelines.definitions/jobs"
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page()
+            for job_name in TRAINING_JOBS:
+                page.goto(f"{base}/{job_name}/playground", timeout=120_000)
+                page.get_by_role("button", name="Scaffold all default config").click(timeout=120_000)
+                page.get_by_role("button", name="Confirm").click()
+                page.get_by_text("All defaults expanded").wait_for(timeout=60_000)
+                assert page.evaluate(SCAFFOLD_AND_EDIT), f"{job_name}: no learning_rate in the scaffolded config"
+                launch = page.get_by_role("button", name="Launch run")
+                page.wait_for_function(
+                    "() => [...document.querySelectorAll('button')].some(b => b.textContent.trim().toLowerCase() === 'launch run' && !b.disabled)",
+                    timeout=60_000,
+                )
+                launch.click()
+                page.wait_for_url("**/runs/*", timeout=120_000)
+                run_id = page.url.rstrip("/").split("/runs/")[-1].split("?")[0]
+                run = dagster_instance.get_run_by_id(run_id)
+                assert run.job_name == job_name
+                assert run.run_config["ops"][_training_op(run.run_config)]["config"]["learning_rate"] == "3e-5"
+                status = _wait_for_start(dagster_instance, run_id, timeout_s=300)
+                _terminate(client, dagster_instance, run_id)
+                assert status != dg.DagsterRunStatus.QUEUED, f"{job_name}: run never started"
+            browser.close()
+    finally:
+        _stop_tree(ui)
+
+
+def _terminate(client, instance: dg.DagsterInstance, run_id: str) -> None:
+    """Stop a started run (it may finish on its own meanwhile: then there is nothing to stop)."""
+    from dagster_graphql import DagsterGraphQLClientError
+
+    try:
+        if not instance.get_run_by_id(run_id).is_finished:
+            client.terminate_run(run_id)
+    except DagsterGraphQLClientError:
+        if not instance.get_run_by_id(run_id).is_finished:
+            raise
+    _wait_for_run(instance, run_id, timeout_s=300)
+
+
+def _training_op(run_config: dict) -> str:
+    return next(name for name, op in run_config["ops"].items() if "learning_rate" in op.get("config", {}))
+
+
+def _wait_for_start(instance: dg.DagsterInstance, run_id: str, timeout_s: float) -> dg.DagsterRunStatus:
+    """The run's status once it left the queue and the launcher (STARTED or finished)."""
+    waiting = {dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        run = instance.get_run_by_id(run_id)
+        if run is not None and run.status not in waiting:
+            return run.status
+        time.sleep(1.0)
+    raise TimeoutError(f"run {run_id} did not start within {timeout_s:.0f} s")
 
 
 def _wait_for_run(instance: dg.DagsterInstance, run_id: str, timeout_s: float) -> dg.DagsterRunStatus:

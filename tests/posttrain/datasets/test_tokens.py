@@ -5,11 +5,12 @@ import pytest
 from posttrain.datasets import schemas, tokens
 from posttrain.datasets.loaders import LoadSpec, load
 from posttrain.datasets.rows import BadRowError, SkipLog
+from posttrain.renderers import get_renderer
 
 
 @pytest.fixture(scope="module")
 def chatml(data_tokenizer):
-    return tokens.get_renderer("chatml", data_tokenizer)
+    return get_renderer("chatml", data_tokenizer)
 
 
 def test_rows_are_shifted_renderer_examples(chatml, data_tokenizer):
@@ -41,7 +42,7 @@ def test_train_on_what_names():
 
 def test_unknown_renderer_lists_known_ones(data_tokenizer):
     with pytest.raises(ValueError, match="unknown renderer 'nope'; known renderers: .*chatml"):
-        tokens.get_renderer("nope", data_tokenizer)
+        get_renderer("nope", data_tokenizer)
 
 
 def test_pairs_share_prompt_and_problems_are_detected(chatml):

@@ -8,6 +8,7 @@ from functools import lru_cache
 import pyarrow as pa
 
 from posttrain.datasets import schemas, tokens
+from posttrain.renderers import get_renderer
 
 TINY_MODEL = "localtinker/tiny-random"
 
@@ -39,5 +40,5 @@ def comparisons_table(count: int, heldout_every: int = 0) -> pa.Table:
 
 
 def pairs_table(count: int, heldout_every: int = 0) -> pa.Table:
-    renderer = tokens.get_renderer("chatml", tiny_tokenizer())
+    renderer = get_renderer("chatml", tiny_tokenizer())
     return tokens.render_comparisons_table(comparisons_table(count, heldout_every), renderer, max_length=None)

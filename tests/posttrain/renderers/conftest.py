@@ -32,3 +32,15 @@ def tml_renderer():
         return built[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def llama3_like_tokenizer(smollm2_dir):
+    """SmolLM2's BPE plus Llama 3's control tokens: enough to check the llama3 format offline."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")]
+    )
+    return tokenizer

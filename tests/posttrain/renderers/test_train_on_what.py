@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from tokenizers import AddedToken, Tokenizer
 
 from posttrain.renderers import ParseTermination, RendererError, TrainOnWhat, get_renderer, renderer_names
 
@@ -75,16 +74,6 @@ def test_role_colon_format_stop_overlap_and_terminations(smollm2_tokenizer):
     eos = smollm2_tokenizer.eos_token_id
     assert renderer.parse_response(encode(" Hello!") + [eos])[1] == ParseTermination.EOS
     assert renderer.parse_response(encode(" Hello! and"))[1] == ParseTermination.MALFORMED
-
-
-@pytest.fixture(scope="module")
-def llama3_like_tokenizer(smollm2_dir):
-    """SmolLM2's BPE plus Llama 3's control tokens: enough to check the llama3 format offline."""
-    tokenizer = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
-    tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")]
-    )
-    return tokenizer
 
 
 def test_llama3_format(llama3_like_tokenizer, smollm2_tokenizer):

@@ -1,0 +1,55 @@
+"""The launchpad configs of every training job accept what the launchpad itself writes back."""
+
+from __future__ import annotations
+
+import dagster as dg
+import pydantic
+import pytest
+import yaml
+from dagster._core.snap import JobSnap
+from dagster._core.snap.snap_to_yaml import default_values_yaml_from_type_snap
+
+from assets.config_bridge import dagster_config
+from pipelines.definitions import defs
+from posttrain.training.config import AdamConfig
+
+TRAINING_JOBS = sorted(
+    job.name for job in defs.resolve_all_job_defs() if job.name.endswith(("_train", "_chain"))
+)
+
+
+def _as_javascript_writes_it(value: object) -> object:
+    """The launchpad merges scaffolded YAML in JavaScript, which prints 1e-12 where PyYAML printed 1.0e-12."""
+    if isinstance(value, dict):
+        return {key: _as_javascript_writes_it(item) for key, item in value.items()}
+    if isinstance(value, float) and value != 0 and abs(value) < 1e-6:
+        return yaml.safe_load(repr(value).replace("e-0", "e-"))  # PyYAML (YAML 1.1) reads this back as a str
+    return value
+
+
+def test_there_are_twelve_training_jobs() -> None:
+    assert len(TRAINING_JOBS) == 12, TRAINING_JOBS
+
+
+@pytest.mark.parametrize("job_name", TRAINING_JOBS)
+def test_scaffolded_defaults_rewritten_by_the_launchpad_are_valid_run_config(job_name: str) -> None:
+    job = defs.resolve_job_def(job_name)
+    snap = JobSnap.from_job_def(job)
+    schema = snap.config_schema_snapshot
+    root = schema.get_config_snap(snap.mode_def_snaps[0].root_config_key)
+    scaffold = _as_javascript_writes_it(yaml.safe_load(default_values_yaml_from_type_snap(schema, root)))
+    assert dg.validate_run_config(job, scaffold)
+
+
+def test_a_float_typed_in_exponent_notation_is_read_as_that_number() -> None:
+    config_cls = dagster_config("ExampleAdam", AdamConfig)
+    parsed = yaml.safe_load("eps: 1e-8\nbeta1: 0.85\n")
+    assert isinstance(parsed["eps"], str)  # what PyYAML hands Dagster
+    config = config_cls(**parsed)
+    assert config.eps == 1e-8 and isinstance(config.eps, float) and config.beta1 == 0.85
+
+
+def test_a_float_field_given_a_word_names_the_value() -> None:
+    config_cls = dagster_config("ExampleAdamWord", AdamConfig)
+    with pytest.raises(pydantic.ValidationError, match="expected a number such as .* got 'tiny'"):
+        config_cls(eps="tiny")
