@@ -245,6 +245,10 @@ def check_tokenizers(context: dg.AssetExecutionContext, consumer: str, tables: M
             raise dg.Failure(f"{consumer}: {name}: {error}; re-materialize {name} after base_model") from error
 
 
+# What MLflow's Datasets tab shows of each input table: size, and where its rows came from at which revision.
+DATASET_PROFILE_KEYS = ("dagster/row_count", "source", "source_kind", "revision", "rows_read", "skipped_rows")
+
+
 @dataclass
 class _Lineage:
     """Everything a checkpoint of this run is traced back to, and how it is recorded."""
@@ -341,7 +345,7 @@ class _Lineage:
                 name,
                 str(version.metadata.get("parquet/version_path") or version.metadata.get("source") or f"dagster://{name}"),
                 digest=version.data_version or "unversioned",
-                profile={key: version.metadata[key] for key in ("dagster/row_count",) if key in version.metadata},
+                profile={key: version.metadata[key] for key in DATASET_PROFILE_KEYS if key in version.metadata},
             )
 
     def metadata(self, result: TrainingResult, run: MlflowRun, tinker: TinkerResource, seconds: float) -> dict[str, Any]:

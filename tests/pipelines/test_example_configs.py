@@ -22,3 +22,13 @@ def test_example_config_validates_against_its_chain_job(path: Path, project_stat
     job = build_definitions(tiny_resources(project_state)).resolve_job_def(f"{path.stem}_chain")
     result = dg.validate_run_config(job, yaml.safe_load(path.read_text()))
     assert result["ops"], path
+
+
+HUB_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs" / "hub").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", HUB_CONFIGS, ids=lambda path: path.stem)
+def test_hub_dataset_example_validates_against_its_chain_job(path: Path, project_state):
+    """examples/configs/hub/<recipe>.<dataset>.yaml: the README's hub-dataset runs fit `<recipe>_chain`."""
+    job = build_definitions(tiny_resources(project_state)).resolve_job_def(f"{path.stem.split('.')[0]}_chain")
+    assert dg.validate_run_config(job, yaml.safe_load(path.read_text()))["ops"], path

@@ -1,5 +1,7 @@
 """The whole SFT slice on the tiny model: a real sqlite Dagster instance and a real sqlite MLflow store."""
 
+import json
+
 import dagster as dg
 import pyarrow.parquet as pq
 from mlflow.entities import RunStatus
@@ -49,6 +51,9 @@ def test_training_is_one_mlflow_run_with_per_step_metrics_datasets_and_model_ver
     for asset in ("rendered_tokens", "chat_dataset"):
         record = run.instance.fetch_materializations(dg.AssetKey(asset), limit=1).records[0]
         assert versions[asset] == record.asset_materialization.tags["dagster/data_version"][:36]
+    chat_profile = json.loads(next(d.dataset.profile for d in training.inputs.dataset_inputs if d.dataset.name == "chat_dataset"))
+    assert chat_profile["dagster/row_count"] == 48 and chat_profile["source_kind"] == "generator"
+    assert chat_profile["revision"].startswith("reasoning-gym ")  # the Datasets tab says which data, at which version
 
     model_versions = sorted(client.search_model_versions("name='sft'"), key=lambda v: int(v.version))
     manifests = sorted((m for m in all_manifests() if m.training_dagster_run_id == run.chain.run_id), key=lambda m: m.step)
