@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     lineage = commands.add_parser("lineage", help="trace a checkpoint to its run, data and base model")
     lineage.add_argument("reference", nargs="?", help="tinker:// path, <registered-model>/<version> or partition key")
     lineage.add_argument("--list", action="store_true", help="list known checkpoints")
+    lineage.add_argument("--json", action="store_true", help="print the hops as JSON (datasets with version, source, revision, rows)")
     bench = commands.add_parser("benchmark", help="benchmark a checkpoint or base model through inspect-ai (one JSON line per task)")
     bench.add_argument("reference", nargs="?", help="checkpoint (as lineage takes it) or a base model name")
     bench.add_argument("--task", action="append", default=[], help="gsm8k | math500 | mmlu | ifeval | humaneval | inspect_evals/<task> | file.py[@task]; repeatable")
