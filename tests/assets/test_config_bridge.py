@@ -27,8 +27,9 @@ def _as_javascript_writes_it(value: object) -> object:
     return value
 
 
-def test_there_are_twelve_training_jobs() -> None:
-    assert len(TRAINING_JOBS) == 12, TRAINING_JOBS
+def test_every_recipe_has_its_train_and_chain_job_here() -> None:
+    recipes = ("sft", "dpo", "rl", "code_rl", "distill", "prompt_distill")
+    assert {f"{recipe}_{kind}" for recipe in recipes for kind in ("train", "chain")} <= set(TRAINING_JOBS)
 
 
 @pytest.mark.parametrize("job_name", TRAINING_JOBS)

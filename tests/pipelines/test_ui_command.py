@@ -123,11 +123,12 @@ def _stop_tree(ui: subprocess.Popen) -> None:
                 process.kill()
 
 
-TRAINING_JOBS = [
-    f"{recipe}_{kind}"
-    for recipe in ("sft", "dpo", "rl", "code_rl", "distill", "prompt_distill")
-    for kind in ("train", "chain")
-]
+def _training_jobs() -> list[str]:
+    """Every recipe's `_train` and `_chain` job (and any further chain, e.g. DPO on offline pairs)."""
+    from pipelines.definitions import defs
+
+    return sorted(job.name for job in defs.resolve_all_job_defs() if job.name.endswith(("_train", "_chain")))
+
 SCAFFOLD_AND_EDIT = """() => {
     const editor = document.querySelector('.CodeMirror').CodeMirror;
     const text = editor.getValue();
@@ -157,7 +158,7 @@ def test_every_training_job_launches_after_a_person_scaffolds_its_defaults_and_e
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             page = browser.new_page()
-            for job_name in TRAINING_JOBS:
+            for job_name in _training_jobs():
                 page.goto(f"{base}/{job_name}/playground", timeout=120_000)
                 page.get_by_role("button", name="Scaffold all default config").click(timeout=120_000)
                 page.get_by_role("button", name="Confirm").click()
