@@ -70,7 +70,9 @@ class SourceRead:
 
 
 def is_local_path(source: str) -> bool:
-    return source.startswith((".", "/", "~")) or Path(source).expanduser().exists()
+    """A path (existing, explicit, or named like a data file), not a hub id: a missing `data/x.jsonl` is a
+    missing file, not a dataset to look for on the hub."""
+    return source.startswith((".", "/", "~")) or source.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES) or Path(source).expanduser().exists()
 
 
 def hub_offline() -> bool:

@@ -97,3 +97,9 @@ def test_online_hub_ids_load_the_resolved_commit(monkeypatch):
     loaded = load(LoadSpec("chat", "someone/chats", revision="main"))
     assert asked["revision"] == commit and asked["path"] == "someone/chats" and not asked.get("streaming")
     assert (loaded.provenance.kind, loaded.provenance.revision, loaded.provenance.requested_revision) == ("hub", commit, "main")
+
+
+def test_a_missing_relative_data_file_is_reported_as_a_missing_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(sources.SourceNotFoundError, match="data/chats.jsonl: no such file or directory"):
+        load(LoadSpec("chat", "data/chats.jsonl"))
