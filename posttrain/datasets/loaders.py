@@ -16,9 +16,9 @@
 from __future__ import annotations
 
 import random
-from importlib import metadata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 

@@ -5,7 +5,6 @@ how to fix it."""
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 import datasets
 import pyarrow as pa
