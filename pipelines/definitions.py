@@ -19,6 +19,7 @@ import dagster as dg
 from assets.code_rl import CODE_RL_EVAL, code_rl_checkpoint, code_rl_checkpoints, code_rl_eval_report
 from assets.data_assets import DATA_ASSETS
 from assets.distill import DISTILL_ASSETS, DISTILL_DATA_ASSETS, DISTILL_EVAL, PROMPT_DISTILL_DATA_ASSETS, PROMPT_DISTILL_EVAL
+from assets.exports import build_export_asset
 from assets.dpo import DPO_ASSETS, DPO_DATA_ASSETS, DPO_EVAL, DPO_OFFLINE_DATA_ASSETS, DPO_OFFLINE_DEFAULTS
 from assets.preference_model import PREFERENCE_MODEL_ASSETS, PREFERENCE_MODEL_DATA_ASSETS, PREFERENCE_MODEL_EVAL
 from assets.rl import RL_EVAL, rl_checkpoint, rl_checkpoints, rl_eval_report
@@ -90,7 +91,9 @@ def build_definitions(resources: dict) -> dg.Definitions:
         assets=[*DATA_ASSETS, sft_checkpoint, sft_checkpoints, sft_eval_report,
                 rl_checkpoint, rl_checkpoints, rl_eval_report, rollout_batches,
                 code_rl_checkpoint, code_rl_checkpoints, code_rl_eval_report, *DISTILL_ASSETS, *DPO_ASSETS,
-                *PREFERENCE_MODEL_ASSETS, *RLHF_ASSETS],
+                *PREFERENCE_MODEL_ASSETS, *RLHF_ASSETS,
+                *[build_export_asset(spec.training) for spec in (
+                    SFT_EVAL, RL_EVAL, CODE_RL_EVAL, DISTILL_EVAL, PROMPT_DISTILL_EVAL, DPO_EVAL, PREFERENCE_MODEL_EVAL, RLHF_EVAL)]],
         jobs=[job for recipe in recipes for job in recipe.jobs],
         sensors=[automation_sensor()],
         schedules=[recipe.schedule for recipe in recipes],

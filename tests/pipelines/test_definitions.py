@@ -99,6 +99,14 @@ ASSET_GRAPH = {
     "rlhf_checkpoints": (["rlhf_checkpoint"], "training", ["tinker"], "rlhf_checkpoints", []),
     "rlhf_eval_report": (["rlhf_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "rlhf_checkpoints", ["improves_on_base"]),
     "rlhf_rollout_batches": (["rlhf_checkpoint"], "training", ["mlflow", "parquet"], None, []),
+    "sft_export": (["sft_checkpoints"], "export", ["huggingface", "mlflow", "tinker"], "sft_checkpoints", []),
+    "rl_export": (["rl_checkpoints"], "export", ["huggingface", "mlflow", "tinker"], "rl_checkpoints", []),
+    "code_rl_export": (["code_rl_checkpoints"], "export", ["huggingface", "mlflow", "tinker"], "code_rl_checkpoints", []),
+    "distill_export": (["distill_checkpoints"], "export", ["huggingface", "mlflow", "tinker"], "distill_checkpoints", []),
+    "prompt_distill_export": (["prompt_distill_checkpoints"], "export", ["huggingface", "mlflow", "tinker"], "prompt_distill_checkpoints", []),
+    "dpo_export": (["dpo_checkpoints"], "export", ["huggingface", "mlflow", "tinker"], "dpo_checkpoints", []),
+    "preference_model_export": (["preference_model_checkpoints"], "export", ["huggingface", "mlflow", "tinker"], "preference_model_checkpoints", []),
+    "rlhf_export": (["rlhf_checkpoints"], "export", ["huggingface", "mlflow", "tinker"], "rlhf_checkpoints", []),
 }
 
 
