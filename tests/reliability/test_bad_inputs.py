@@ -184,7 +184,8 @@ DATA_CASES = [
     DagsterCase("source_file_missing", "chat_dataset", {"source": f"{FILE}/absent.jsonl"},
                 r"absent\.jsonl: no such file or directory"),
     DagsterCase("source_unknown_dataset_offline", "chat_dataset", {"source": "no-such-org/no-such-dataset"},
-                r"no-such-org/no-such-dataset: could not load the dataset .*pass a local \.jsonl/\.parquet path"),
+                r"no-such-org/no-such-dataset: not in the local datasets cache, and offline mode .*go online .*"
+                r"POSTTRAIN_HUB_MIRROR/no-such-org/no-such-dataset, or pass a local \.jsonl / \.parquet file"),
     DagsterCase("rl_problems_without_answer", "rl_problems", {"source": f"{FILE}/no_answer.jsonl"},
                 r"no_answer\.jsonl line 1: .*answer", _write("no_answer.jsonl", _lines({"question": "What is 1 + 1?"}))),
     DagsterCase("comparison_without_rejected", "preference_comparisons", {"source": f"{FILE}/half_pair.jsonl"},
