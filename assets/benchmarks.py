@@ -7,7 +7,8 @@ re-materialized on its own. A run samples through the inspect provider ``tinker/
 (posttrain.benchmarks) with the checkpoint's own renderer and keeps, under
 ``<state>/benchmarks/<model>/<benchmark>/``, the inspect log (``inspect view --log-dir`` that folder),
 ``samples.parquet`` (one score per sample) and ``result.json`` (metric, value, stderr, n). A checkpoint's
-registered-model version is tagged ``benchmark.<name>`` (+ ``.stderr``, ``.n``); with the MLflow
+registered-model version is tagged ``benchmark.<name>`` (+ ``.stderr``, ``.n``) and the result's MLflow run logs
+the metrics against the checkpoint's logged model; with the MLflow
 resource's ``best_follows`` set to that benchmark, the recipe's ``best`` alias follows it. Runs hold the
 ``tinker`` pool like training. A failure (unknown task, missing checkpoint, dataset missing offline,
 an eval error) raises before anything is written: no log, no files, no tag, no materialization.
@@ -119,10 +120,12 @@ def benchmark_result(context: dg.AssetExecutionContext, config: BenchmarkConfig,
         key.benchmark, target, directory,
         limit=config.limit or None, task_args=_task_args(config), max_connections=config.max_connections,
     )
-    aliases = {}
-    if manifest is not None:
-        aliases = mlflow.record_benchmark(manifest.registered_model, manifest.model_version, result.task, result.value, result.stderr, result.n)
-    samples_path, summary_path = _write_result(directory, key, result)
+    try:  # a failure past this point takes the kept log back: the pair has a whole result or none
+        run_url, aliases = _record_in_mlflow(context, mlflow, key, manifest, result, config)
+        samples_path, summary_path = _write_result(directory, key, result)
+    except BaseException:
+        Path(result.log_path).unlink(missing_ok=True)
+        raise
     context.log.info(f"{key.partition}: {result.metric} {result.value:.4f} ± {result.stderr:.4f} (n={result.n}); log {result.log_path}")
     return dg.MaterializeResult(
         metadata={
@@ -141,6 +144,7 @@ def benchmark_result(context: dg.AssetExecutionContext, config: BenchmarkConfig,
             "samples": dg.MetadataValue.path(str(samples_path)),
             "result": dg.MetadataValue.path(str(summary_path)),
             "inspect_metrics": dg.MetadataValue.json(result.inspect_metrics),
+            "mlflow_run": dg.MetadataValue.url(run_url),
             "mlflow_aliases": ", ".join(f"{alias} → v{version}" for alias, version in aliases.items()) or "unchanged",
             "wall_seconds": round(time.monotonic() - started, 2),
         },
@@ -155,6 +159,26 @@ def model_target(key: BenchmarkKey, manifest: CheckpointManifest | None, tinker:
         name = key.model[len(BASE_PREFIX):]
         return ModelTarget(name, base_renderer, endpoint.base_url, endpoint.api_key, tokenizer_path(name))
     return ModelTarget(manifest.sampler_path or "", manifest.renderer, endpoint.base_url, endpoint.api_key, tokenizer_path(manifest.base_model))
+
+
+def _record_in_mlflow(context, mlflow: MlflowResource, key: BenchmarkKey, manifest: CheckpointManifest | None,
+                      result: BenchmarkResult, config: BenchmarkConfig) -> tuple[str, dict[str, int]]:
+    """An MLflow run with the result; for a checkpoint, its metrics linked to the checkpoint's logged model
+    (they show on the model's page) and ``benchmark.<name>`` tags on its registered-model version."""
+    name = _safe(result.task)
+    with mlflow.start_run(context, run_name=f"benchmark {key.partition}", tags={"posttrain.benchmark": result.task, "posttrain.model": key.model}) as run:
+        run.log_params({"model": key.model, "benchmark": key.benchmark, "inspect_model": result.model, "limit": config.limit,
+                        "inspect_log": result.log_path})
+        model_id = (manifest.mlflow_model_id or None) if manifest is not None else None
+        step = manifest.step if manifest is not None else 0
+        for metric, value in ((f"benchmark/{name}", result.value), (f"benchmark/{name}_stderr", result.stderr), (f"benchmark/{name}_n", float(result.n))):
+            if not math.isnan(value):
+                run.client.log_metric(run.run_id, metric, value, step=step, model_id=model_id)
+        run.log_dict(result.summary(), "benchmark_result.json")
+    aliases = {}
+    if manifest is not None:
+        aliases = mlflow.record_benchmark(manifest.registered_model, manifest.model_version, result.task, result.value, result.stderr, result.n)
+    return run.url, aliases
 
 
 def _manifest(partition: str) -> CheckpointManifest:

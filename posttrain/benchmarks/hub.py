@@ -25,7 +25,7 @@ class HubDataset:
     config: str | None = None
 
     def describe(self) -> str:
-        return f"{self.hub_id}" + (f" (config {self.config!r}" if self.config else " (") + f"split {self.split!r})"
+        return f"{self.hub_id} (" + (f"config {self.config!r}, " if self.config else "") + f"split {self.split!r})"
 
 
 def load_records(dataset: HubDataset, benchmark: str) -> list[dict[str, Any]]:

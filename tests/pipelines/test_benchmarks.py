@@ -80,6 +80,8 @@ def test_best_checkpoint_is_benchmarked_with_its_base_and_the_leaderboard_joins_
     manifest = read_manifest(best)
     tags = run.mlflow.get_client().get_model_version(manifest.registered_model, manifest.model_version).tags
     assert tags["benchmark.gsm8k.n"] == "2"
+    logged = run.mlflow.get_client().get_logged_model(manifest.mlflow_model_id)
+    assert {metric.key for metric in logged.metrics} >= {"benchmark/gsm8k", "benchmark/gsm8k_stderr", "benchmark/gsm8k_n"}
 
     board = dg.materialize([leaderboard], instance=instance, resources={"mlflow": run.mlflow})
     metadata = board.asset_materializations_for_node("leaderboard")[0].metadata
