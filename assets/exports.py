@@ -30,6 +30,7 @@ EXPORT_GROUP = "export"
 
 class ExportConfig(dg.Config):
     merged: bool = Field(default=True, description="Also write the merged Hugging Face model (safetensors, config, tokenizer).")
+    gguf: bool = Field(default=False, description="Also write a float32 GGUF file of the merged model (llama.cpp, transformers).")
 
 
 def build_export_asset(training: TrainingSpec) -> dg.AssetsDefinition:
@@ -65,7 +66,7 @@ def build_export_asset(training: TrainingSpec) -> dg.AssetsDefinition:
             try:
                 report = export_checkpoint(
                     client, rest, manifest.state_path, fresh, manifest.base_model, tokenizer_path(manifest.base_model),
-                    merged=config.merged, card=card,
+                    merged=config.merged, gguf=config.gguf, card=card,
                 )
             except ExportError as error:
                 raise dg.Failure(str(error)) from error
@@ -76,7 +77,8 @@ def build_export_asset(training: TrainingSpec) -> dg.AssetsDefinition:
         if manifest.mlflow_model_id:
             mlflow_client.log_model_artifacts(manifest.mlflow_model_id, str(target))
         figures = {"adapter_max_abs_logprob_diff": report.adapter_max_abs_logprob_diff,
-                   "merged_max_abs_logprob_diff": report.merged_max_abs_logprob_diff}
+                   "merged_max_abs_logprob_diff": report.merged_max_abs_logprob_diff,
+                   "gguf_max_abs_logprob_diff": report.gguf_max_abs_logprob_diff}
         for name, value in figures.items():
             if value is not None:
                 mlflow_client.set_model_version_tag(manifest.registered_model, manifest.model_version, metric_name(f"export.{name}"), f"{value:.3g}")

@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("reference", help="tinker://…/weights/… path, <registered-model>/<version> or partition key")
     export.add_argument("--out", required=True, help="directory to create (must not exist)")
     export.add_argument("--merged", action="store_true", help="also write the merged model (loads with AutoModelForCausalLM alone)")
+    export.add_argument("--gguf", action="store_true", help="also write gguf/model.gguf (float32; implies --merged)")
     args = parser.parse_args(argv)
 
     from resources.state import ensure_dagster_home
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         from pipelines.export import run_cli as run_export
 
-        return run_export(args.reference, args.out, args.merged)
+        return run_export(args.reference, args.out, args.merged, args.gguf)
     if args.command == "benchmark":
         from pipelines.benchmarks import parse_task_args, run_cli
 

@@ -1,5 +1,5 @@
-"""`python -m pipelines export <ref> --out DIR [--merged]`: a checkpoint out as a PEFT adapter (and a merged
-Hugging Face model), verified against the server, through the same Tinker resource the recipes use, so a
+"""`python -m pipelines export <ref> --out DIR [--merged] [--gguf]`: a checkpoint out as a PEFT adapter (and a merged
+Hugging Face model, and a GGUF file), verified against the server, through the same Tinker resource the recipes use, so a
 hosted checkpoint exports exactly as a local one does."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _base_model_of(rest: tinker.RestClient, path: str) -> str:
         ) from error
 
 
-def run_cli(reference: str, out: str, merged: bool) -> int:
+def run_cli(reference: str, out: str, merged: bool, gguf: bool = False) -> int:
     try:
         path, base_model, card = resolve(reference)
         # TINKER_BASE_URL / TINKER_API_KEY point it at a running server (hosted or localtinker), as for the SDK's
@@ -65,7 +65,7 @@ def run_cli(reference: str, out: str, merged: bool) -> int:
             base_model = base_model or _base_model_of(rest, path)
             # The packaged models resolve to their local directories, anything else to itself (a directory or hub id).
             source = tokenizer_path(base_model)
-            report = export_checkpoint(service, rest, path, Path(out), base_model, source, merged=merged, card=card)
+            report = export_checkpoint(service, rest, path, Path(out), base_model, source, merged=merged, gguf=gguf, card=card)
         finally:
             service.close("success").result(timeout=60)
     except (ExportError, LookupError) as error:

@@ -19,11 +19,13 @@ import tinker
 import torch
 
 from .adapter import ExportError, adapter_base_model, checkpoint_kind, download_adapter
+from .gguf_file import write_gguf
 from .merge import merge_adapter
 from .verify import max_gap, model_logprobs, prompt_tokens, server_logprobs
 
 ADAPTER_TOLERANCE = 1e-4  # float32 server: max |Δ logprob| of the PEFT adapter in plain transformers
-MERGED_TOLERANCE = 1e-3  # the merged weights round once more
+MERGED_TOLERANCE = 1e-3  # the merged weights round once more (the GGUF file holds the same float32 tensors)
+GGUF_FILE = "model.gguf"
 
 
 @dataclass
@@ -33,6 +35,7 @@ class ExportReport:
     out_dir: str
     adapter_max_abs_logprob_diff: float | None = None
     merged_max_abs_logprob_diff: float | None = None
+    gguf_max_abs_logprob_diff: float | None = None
     verified_tokens: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
     within_tolerance: bool = True
@@ -50,9 +53,11 @@ def export_checkpoint(
     base_source: str,
     *,
     merged: bool = False,
+    gguf: bool = False,
     card: dict[str, Any] | None = None,
 ) -> ExportReport:
-    """Exports ``path`` (trained on ``base_model``, whose weights ``base_source`` loads) into ``out_dir``."""
+    """Exports ``path`` (trained on ``base_model``, whose weights ``base_source`` loads) into ``out_dir``;
+    ``gguf`` (which implies ``merged``) adds ``gguf/model.gguf``."""
     out_dir = Path(out_dir)
     checkpoint_kind(path)
     if out_dir.exists():
@@ -62,7 +67,7 @@ def export_checkpoint(
     report = ExportReport(path, base_model, str(out_dir))
     try:
         staging.mkdir()
-        _export_into(service, rest, path, staging, base_model, base_source, merged, report)
+        _export_into(service, rest, path, staging, base_model, base_source, merged or gguf, gguf, report)
         (staging / "export.json").write_text(json.dumps(report.to_json(), indent=1))
         (staging / "README.md").write_text(model_card(report, card or {}))
         staging.rename(out_dir)
@@ -72,7 +77,7 @@ def export_checkpoint(
     return report
 
 
-def _export_into(service, rest, path, staging, base_model, base_source, merged, report) -> None:
+def _export_into(service, rest, path, staging, base_model, base_source, merged, gguf, report) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -108,9 +113,19 @@ def _export_into(service, rest, path, staging, base_model, base_source, merged, 
             del model
             gc.collect()
         report.seconds["verify_merged"] = time.perf_counter() - tick
+    if gguf:
+        tick = time.perf_counter()
+        (staging / "gguf").mkdir()
+        write_gguf(staging / "merged", staging / "gguf" / GGUF_FILE)
+        report.seconds["gguf"] = time.perf_counter() - tick
+        if expected is not None:  # loaded back by transformers: the check that the file is what we meant
+            model = AutoModelForCausalLM.from_pretrained(staging / "gguf", gguf_file=GGUF_FILE, dtype=torch.float32).eval()
+            report.gguf_max_abs_logprob_diff = max_gap(model_logprobs(model, prompts), expected)
+            del model
+            gc.collect()
     report.seconds["total"] = time.perf_counter() - started
-    report.within_tolerance = (report.adapter_max_abs_logprob_diff or 0.0) <= ADAPTER_TOLERANCE and (
-        report.merged_max_abs_logprob_diff or 0.0
+    report.within_tolerance = (report.adapter_max_abs_logprob_diff or 0.0) <= ADAPTER_TOLERANCE and max(
+        report.merged_max_abs_logprob_diff or 0.0, report.gguf_max_abs_logprob_diff or 0.0
     ) <= MERGED_TOLERANCE
 
 
@@ -133,6 +148,8 @@ def model_card(report: ExportReport, card: dict[str, Any]) -> str:
     lines.append(f"- adapter: {report.adapter_max_abs_logprob_diff}")
     if report.merged_max_abs_logprob_diff is not None:
         lines.append(f"- merged: {report.merged_max_abs_logprob_diff}")
+    if report.gguf_max_abs_logprob_diff is not None:
+        lines.append(f"- GGUF (float32, read back by transformers): {report.gguf_max_abs_logprob_diff}")
     lines += [
         "",
         "```python",
@@ -140,6 +157,7 @@ def model_card(report: ExportReport, card: dict[str, Any]) -> str:
         "from transformers import AutoModelForCausalLM",
         f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({report.base_model!r}), 'adapter')",
         "# or, with --merged: AutoModelForCausalLM.from_pretrained('merged')",
+        "# or, with --gguf: AutoModelForCausalLM.from_pretrained('gguf', gguf_file='model.gguf'); llama.cpp reads it too",
         "```",
         "",
     ]

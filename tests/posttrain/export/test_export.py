@@ -40,15 +40,19 @@ def trained(clients) -> tinker.TrainingClient:
     return trainer
 
 
-def test_export_with_merged_model_matches_the_server(clients, trained, tmp_path: Path) -> None:
+def test_export_with_merged_model_and_gguf_matches_the_server(clients, trained, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     state = trained.save_state("export").result().path
     out = tmp_path / "export"
-    report = export_checkpoint(*clients, state, out, TINY_MODEL, str(tiny_random_dir()), merged=True, card={"recipe": "sft"})
+    report = export_checkpoint(*clients, state, out, TINY_MODEL, str(tiny_random_dir()), gguf=True, card={"recipe": "sft"})
     assert report.adapter_max_abs_logprob_diff <= ADAPTER_TOLERANCE
     assert report.merged_max_abs_logprob_diff <= MERGED_TOLERANCE and report.within_tolerance
-    assert {p.name for p in out.iterdir()} == {"adapter", "merged", "export.json", "README.md"}
+    assert report.gguf_max_abs_logprob_diff <= MERGED_TOLERANCE  # the file, read back by transformers
+    assert {p.name for p in out.iterdir()} == {"adapter", "merged", "gguf", "export.json", "README.md"}
+    assert AutoTokenizer.from_pretrained(out / "gguf", gguf_file="model.gguf").encode("a cat") == AutoTokenizer.from_pretrained(
+        out / "merged"
+    ).encode("a cat")
     assert json.loads((out / "export.json").read_text())["verified_tokens"] > 10
     merged = AutoModelForCausalLM.from_pretrained(out / "merged")  # alone: no base model, no peft
     assert not merged.config.tie_word_embeddings and AutoTokenizer.from_pretrained(out / "merged").chat_template
