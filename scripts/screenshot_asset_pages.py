@@ -50,12 +50,16 @@ def main() -> None:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1500, "height": 1000})
         page.goto(f"{args.dagster}/locations", timeout=120_000)  # pages show placeholders until the code location loads
-        page.get_by_text("Loaded", exact=True).first.wait_for(timeout=300_000)
+        page.wait_for_load_state("networkidle", timeout=300_000)
+        page.wait_for_timeout(20_000)
         for name, url in pages(args.dagster).items():
             if args.only and name not in args.only:
                 continue
             page.goto(url, timeout=120_000)
-            page.wait_for_load_state("networkidle", timeout=120_000)
+            try:
+                page.wait_for_load_state("networkidle", timeout=60_000)
+            except Exception:  # MLflow's pages poll for ever: never idle, but drawn by now
+                pass
             page.wait_for_timeout(6000)  # the asset page fills its sections after the first idle moment
             target = args.out / f"{name}.png"
             page.screenshot(path=str(target), full_page=True)
