@@ -146,7 +146,7 @@ def plot_curve(summary: list[dict[str, Any]], path: Path, title: str) -> Path:
     steps = [entry["step"] for entry in summary]
     means = [entry["reward_mean"] for entry in summary]
     stds = [entry["reward_std"] for entry in summary]
-    figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
+    figure, axes = plt.subplots(figsize=(4.4, 2.8), dpi=100)  # ~440 px: fits the asset page's value column
     axes.plot(steps, means, marker="o", label="reward mean")
     axes.fill_between(steps, *band(means, stds), alpha=0.2, label="± std")
     graded = [(entry["step"], entry["accuracy"]) for entry in summary if entry["accuracy"] is not None]
