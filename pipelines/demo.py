@@ -84,7 +84,7 @@ STAGES: tuple[DemoStage, ...] = (SFT_STAGE, DPO_STAGE, RL_STAGE)
 # rewarded only by that model's tournaments; the verifier is never a reward, so held-out accuracy in the
 # eval report is an honest check. Not in `make demo`: together they exceed its 15-minute budget on 2 cores.
 DEMO_PM_COMPARISONS = {"sampler": "latest:sft", "group_size": 4, "max_tokens": 16, "temperature": 1.0, "limit": 400}
-DEMO_PM = {"init_from": "latest:sft", "learning_rate": 2e-4, "batch_size": 16, "num_epochs": 1, "save_every": 0, "lora_rank": 16}
+DEMO_PM = {"init_from": "latest:sft", "learning_rate": 1e-3, "batch_size": 16, "num_epochs": 1, "save_every": 0, "lora_rank": 16}
 PREFERENCE_MODEL_STAGE = DemoStage(
     "preference_model",
     {
