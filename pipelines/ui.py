@@ -70,16 +70,59 @@ def wait_until_up(url: str, process: subprocess.Popen, timeout_s: float = 180.0)
     raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc; empty where there is none). Dagster starts its code servers
+    in process groups of their own, so a signal to the server's group does not reach them."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            # the command name in field 2 may hold spaces; the parent pid is the 2nd field after its ')'
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        parents.setdefault(ppid, []).append(int(entry.name))
+    found, frontier = [], [pid]
+    while frontier:
+        children = parents.get(frontier.pop(), [])
+        found.extend(children)
+        frontier.extend(children)
+    return found
+
+
+def _signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
 def stop(process: subprocess.Popen, timeout_s: float = 20.0) -> None:
-    """SIGTERM to the server's process group (dagster dev has children), SIGKILL if it lingers."""
+    """SIGTERM to the server's process group and to every process below it (code servers live in groups
+    of their own), SIGKILL to whatever lingers past ``timeout_s``."""
     if process.poll() is not None:
         return
+    below = _descendants(process.pid)
     os.killpg(process.pid, signal.SIGTERM)
     try:
         process.wait(timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+    deadline = time.monotonic() + timeout_s
+    while (left := [pid for pid in below if _alive(pid)]) and time.monotonic() < deadline:
+        _signal_all(left, signal.SIGTERM)
+        time.sleep(0.5)
+    _signal_all([pid for pid in below if _alive(pid)], signal.SIGKILL)
 
 
 def _interrupt(signum: int, frame: object) -> None:
