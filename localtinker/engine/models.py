@@ -134,29 +134,11 @@ def load_base_model(name: str, dtype: str, device: torch.device | None = None, p
             _use_float32_master_head(model, Bf16Head)
     if getattr(model.config, "_attn_implementation", None) == "sdpa":
         use_engine_attention(model)  # bf16 products with a float32 softmax; the sampler's shared prompts in all
-    model.eval()
-    model.requires_grad_(False)
-    config = model.config
-    return BaseModel(
-        name=name,
-        model=model,
-        tokenizer=tokenizer,
-        tokenizer_id=source,
-        vocab_size=int(config.vocab_size),
-        eos_token_ids=_eos_token_ids(config, tokenizer),
-        max_context_length=context_length(config),
-        arch=architecture(config),
-    )
+    return _frozen(name, model, tokenizer, source)
 
 
-def portable_base_model(name: str, model: torch.nn.Module, tokenizer: object | None, tokenizer_id: str,
-                        device: torch.device) -> BaseModel:
-    """``model`` frozen on ``device`` in its own dtype (bf16 weights stay bf16: no float32 copy of any base
-    weight), attending through the portable path's attention (portable_attention.py)."""
-    from localtinker.engine.portable_attention import use_portable_attention
-
-    model.to(device)
-    use_portable_attention(model)
+def _frozen(name: str, model: torch.nn.Module, tokenizer: object | None, tokenizer_id: str, *, portable: bool = False) -> BaseModel:
+    """``model`` frozen for serving, with what the protocol reports of it read from its config."""
     model.eval()
     model.requires_grad_(False)
     config = model.config
@@ -169,8 +151,19 @@ def portable_base_model(name: str, model: torch.nn.Module, tokenizer: object | N
         eos_token_ids=_eos_token_ids(config, tokenizer),
         max_context_length=context_length(config),
         arch=architecture(config),
-        portable=True,
+        portable=portable,
     )
+
+
+def portable_base_model(name: str, model: torch.nn.Module, tokenizer: object | None, tokenizer_id: str,
+                        device: torch.device) -> BaseModel:
+    """``model`` frozen on ``device`` in its own dtype (bf16 weights stay bf16: no float32 copy of any base
+    weight), attending through the portable path's attention (portable_attention.py)."""
+    from localtinker.engine.portable_attention import use_portable_attention
+
+    model.to(device)
+    use_portable_attention(model)
+    return _frozen(name, model, tokenizer, tokenizer_id, portable=True)
 
 
 class Float32ComputeLinear(torch.nn.Linear):
