@@ -27,7 +27,7 @@ from assets.rlhf import RLHF_ASSETS, RLHF_DATA_ASSETS, RLHF_EVAL
 from assets.rollouts import rollout_batches
 from assets.sft import SFT_EVAL, sft_checkpoint, sft_checkpoints, sft_eval_report
 from pipelines.benchmarks import benchmark_definitions
-from pipelines.recipes import ChainVariant, build_recipe_jobs
+from pipelines.recipes import ChainVariant, build_recipe_jobs, whole_op_defaults
 from resources.mlflow import MlflowResource
 from resources.mlflow_links import mlflow_ui_url
 from resources.parquet_io import ParquetIOManager
@@ -80,7 +80,7 @@ def build_definitions(resources: dict) -> dg.Definitions:
         build_recipe_jobs(DISTILL_EVAL, DISTILL_DATA_ASSETS),
         build_recipe_jobs(PROMPT_DISTILL_EVAL, PROMPT_DISTILL_DATA_ASSETS),
         build_recipe_jobs(DPO_EVAL, DPO_DATA_ASSETS, variants=[
-            ChainVariant("offline", DPO_OFFLINE_DATA_ASSETS, DPO_OFFLINE_DEFAULTS,
+            ChainVariant("offline", DPO_OFFLINE_DATA_ASSETS, whole_op_defaults(DPO_ASSETS, DPO_OFFLINE_DEFAULTS),
                          "offline comparisons (preference_comparisons: HH-RLHF, UltraFeedback, a file) → pairs → reference "
                          "logprobs of the base model → DPO from the base model, in one run"),
         ]),

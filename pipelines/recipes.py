@@ -51,12 +51,30 @@ class RecipeJobs:
 @dataclass(frozen=True)
 class ChainVariant:
     """Another whole-chain job of a recipe: other data assets, and the op config defaults that pick them
-    (e.g. DPO on offline pairs: ``dpo_offline_chain``). Its defaults show in the launchpad and can be edited."""
+    (e.g. DPO on offline pairs: ``dpo_offline_chain``). Its defaults show in the launchpad and can be edited;
+    build ``op_defaults`` with :func:`whole_op_defaults` so the scaffold keeps every other field."""
 
     name: str
     data_assets: Sequence[str]
     op_defaults: Mapping[str, Mapping[str, object]]
     description: str
+
+
+def whole_op_defaults(
+    assets: Sequence[dg.AssetsDefinition], overrides: Mapping[str, Mapping[str, object]]
+) -> dict[str, dict[str, object]]:
+    """Each op's whole default config with ``overrides`` on top.
+
+    A job config that pins a few fields of an op becomes that op's *entire* default in the launchpad:
+    "Scaffold all default config" would show only the pinned fields (no learning rate to edit).
+    Unset (None) defaults are left out, as Dagster's own scaffold leaves them out.
+    """
+    by_name = {asset.key.to_user_string(): asset for asset in assets}
+    whole = {}
+    for op, values in overrides.items():
+        defaults = by_name[op].op.config_field.default_value
+        whole[op] = {**{key: value for key, value in defaults.items() if value is not None}, **values}
+    return whole
 
 
 def build_recipe_jobs(

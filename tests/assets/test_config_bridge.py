@@ -32,14 +32,32 @@ def test_every_recipe_has_its_train_and_chain_job_here() -> None:
     assert {f"{recipe}_{kind}" for recipe in recipes for kind in ("train", "chain")} <= set(TRAINING_JOBS)
 
 
-@pytest.mark.parametrize("job_name", TRAINING_JOBS)
-def test_scaffolded_defaults_rewritten_by_the_launchpad_are_valid_run_config(job_name: str) -> None:
-    job = defs.resolve_job_def(job_name)
+def _scaffold(job: dg.JobDefinition) -> dict:
+    """What the launchpad's "Scaffold all default config" writes for ``job`` (Dagster's own function)."""
     snap = JobSnap.from_job_def(job)
     schema = snap.config_schema_snapshot
     root = schema.get_config_snap(snap.mode_def_snaps[0].root_config_key)
-    scaffold = _as_javascript_writes_it(yaml.safe_load(default_values_yaml_from_type_snap(schema, root)))
-    assert dg.validate_run_config(job, scaffold)
+    return yaml.safe_load(default_values_yaml_from_type_snap(schema, root))
+
+
+@pytest.mark.parametrize("job_name", TRAINING_JOBS)
+def test_scaffolded_defaults_rewritten_by_the_launchpad_are_valid_run_config(job_name: str) -> None:
+    job = defs.resolve_job_def(job_name)
+    assert dg.validate_run_config(job, _as_javascript_writes_it(_scaffold(job)))
+
+
+@pytest.mark.parametrize("job_name", TRAINING_JOBS)
+def test_every_training_job_scaffolds_the_knobs_a_person_edits(job_name: str) -> None:
+    """A job config that pins a few op fields (a chain variant) must not hide the rest from the scaffold."""
+    job = defs.resolve_job_def(job_name)
+    training_ops = [op for op in _scaffold(job)["ops"] if op.endswith("_checkpoint")]
+    assert training_ops, job_name
+    for op in training_ops:
+        scaffolded = _scaffold(job)["ops"][op]["config"]
+        whole = {key for key, value in job.asset_layer.get(dg.AssetKey(op)).assets_def.op.config_field.default_value.items()
+                 if value is not None}
+        assert {"learning_rate", "lora_rank", "save_every", "init_from", "adam"} <= set(scaffolded), f"{job_name}: {op}"
+        assert set(scaffolded) == whole, f"{job_name}: {op} scaffolds {sorted(scaffolded)}"
 
 
 def test_a_float_typed_in_exponent_notation_is_read_as_that_number() -> None:
