@@ -5,8 +5,8 @@ Materializing a checkpoint's partition (from the UI, or ``python -m pipelines ex
 a plain Hugging Face model, verifies both against the server's ``compute_logprobs``, and attaches the files to
 the checkpoint's MLflow logged model (lineage tags kept) with the figures on its registered model version. The
 files live under ``<state>/exports/<partition>``; a re-materialization replaces them whole or not at all.
-Not automated: exports are requested (the eval reports' pattern of on-missing automation would export every
-checkpoint).
+Not on-missing automation (that would export every checkpoint): exports are requested, from the UI, the CLI,
+or the ``export_best_checkpoints`` sensor for each recipe's ``best`` (``pipelines/exports.py``).
 """
 
 import shutil
@@ -17,7 +17,7 @@ from pydantic import Field
 
 from assets.checkpoint_manifest import read_manifest
 from assets.registration import checkpoints_asset_key
-from assets.training import TrainingSpec
+from assets.training import TINKER_POOL, TrainingSpec
 from posttrain.export.adapter import ExportError
 from posttrain.export.run import export_checkpoint
 from resources.mlflow import MlflowResource, metric_name
@@ -42,6 +42,7 @@ def build_export_asset(training: TrainingSpec) -> dg.AssetsDefinition:
         kinds={"tinker", "mlflow", "huggingface"},
         partitions_def=training.partitions,
         deps=[checkpoints_asset_key(recipe)],
+        pool=TINKER_POOL,
         description=f"One {recipe} checkpoint as a PEFT adapter and merged HF model, verified against the server.",
     )
     def _export(context: dg.AssetExecutionContext, config: ExportConfig, tinker: TinkerResource, mlflow: MlflowResource) -> dg.MaterializeResult:

@@ -26,12 +26,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import dagster as dg
-from mlflow.exceptions import MlflowException
 
 from assets.benchmarks import BASE_PREFIX, BENCHMARK_ASSETS, BENCHMARK_PARTITIONS, BenchmarkKey, base_key, benchmark_result, ensure_partitions, leaderboard
 from assets.checkpoint_manifest import CheckpointManifest, all_manifests
 from assets.registration import partitions_name
-from resources.mlflow import ALIAS_BEST, MlflowResource
+from pipelines.best import best_manifests
+from resources.mlflow import MlflowResource
 
 BENCHMARK_JOB = "benchmark"
 DAILY_CRON = "0 5 * * *"
@@ -78,17 +78,6 @@ def run_requests(instance: dg.DagsterInstance, suite: BenchmarkSuite, manifests:
         )
         for key in ensure_partitions(instance, keys)
     ]
-
-
-def best_manifests(manifests: list[CheckpointManifest], mlflow: MlflowResource) -> list[CheckpointManifest]:
-    """The manifests whose model version is their registered model's ``best`` now."""
-    best: dict[str, str | None] = {}
-    for name in {manifest.registered_model for manifest in manifests}:
-        try:
-            best[name] = str(mlflow.resolve_alias(name, ALIAS_BEST).version)
-        except (LookupError, MlflowException):
-            best[name] = None
-    return [manifest for manifest in manifests if best.get(manifest.registered_model) == str(manifest.model_version)]
 
 
 def new_checkpoint_sensor(suite: BenchmarkSuite, job: "dg.UnresolvedAssetJobDefinition") -> dg.SensorDefinition:

@@ -19,7 +19,6 @@ import dagster as dg
 from assets.code_rl import CODE_RL_EVAL, code_rl_checkpoint, code_rl_checkpoints, code_rl_eval_report
 from assets.data_assets import DATA_ASSETS
 from assets.distill import DISTILL_ASSETS, DISTILL_DATA_ASSETS, DISTILL_EVAL, PROMPT_DISTILL_DATA_ASSETS, PROMPT_DISTILL_EVAL
-from assets.exports import build_export_asset
 from assets.dpo import DPO_ASSETS, DPO_DATA_ASSETS, DPO_EVAL, DPO_OFFLINE_DATA_ASSETS, DPO_OFFLINE_DEFAULTS
 from assets.preference_model import PREFERENCE_MODEL_ASSETS, PREFERENCE_MODEL_DATA_ASSETS, PREFERENCE_MODEL_EVAL
 from assets.rl import RL_EVAL, rl_checkpoint, rl_checkpoints, rl_eval_report
@@ -27,6 +26,7 @@ from assets.rlhf import RLHF_ASSETS, RLHF_DATA_ASSETS, RLHF_EVAL
 from assets.rollouts import rollout_batches
 from assets.sft import SFT_EVAL, sft_checkpoint, sft_checkpoints, sft_eval_report
 from pipelines.benchmarks import benchmark_definitions
+from pipelines.exports import export_definitions, export_format_from_env
 from pipelines.recipes import ChainVariant, build_recipe_jobs, whole_op_defaults
 from resources.mlflow import MlflowResource
 from resources.mlflow_links import mlflow_ui_url
@@ -91,15 +91,15 @@ def build_definitions(resources: dict) -> dg.Definitions:
         assets=[*DATA_ASSETS, sft_checkpoint, sft_checkpoints, sft_eval_report,
                 rl_checkpoint, rl_checkpoints, rl_eval_report, rollout_batches,
                 code_rl_checkpoint, code_rl_checkpoints, code_rl_eval_report, *DISTILL_ASSETS, *DPO_ASSETS,
-                *PREFERENCE_MODEL_ASSETS, *RLHF_ASSETS,
-                *[build_export_asset(spec.training) for spec in (
-                    SFT_EVAL, RL_EVAL, CODE_RL_EVAL, DISTILL_EVAL, PROMPT_DISTILL_EVAL, DPO_EVAL, PREFERENCE_MODEL_EVAL, RLHF_EVAL)]],
+                *PREFERENCE_MODEL_ASSETS, *RLHF_ASSETS],
         jobs=[job for recipe in recipes for job in recipe.jobs],
         sensors=[automation_sensor()],
         schedules=[recipe.schedule for recipe in recipes],
         resources=resources,
     )
-    return dg.Definitions.merge(recipe_definitions, benchmark_definitions())
+    exports = export_definitions([spec.training for spec in (
+        SFT_EVAL, RL_EVAL, CODE_RL_EVAL, DISTILL_EVAL, PROMPT_DISTILL_EVAL, DPO_EVAL, PREFERENCE_MODEL_EVAL, RLHF_EVAL)], export_format_from_env())
+    return dg.Definitions.merge(recipe_definitions, benchmark_definitions(), exports)
 
 
 defs = build_definitions(default_resources())
