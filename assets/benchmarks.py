@@ -39,6 +39,7 @@ from posttrain.benchmarks.results import BenchmarkResult
 from posttrain.benchmarks.runner import ModelTarget, run_benchmark
 from posttrain.renderers.registry import DEFAULT_RENDERER
 from resources.mlflow import MlflowResource
+from resources.mlflow_links import registered_model_url
 from resources.models import tokenizer_path
 from resources.state import state_subdir
 from resources.tinker import TinkerResource
@@ -145,7 +146,9 @@ def benchmark_result(context: dg.AssetExecutionContext, config: BenchmarkConfig,
             "result": dg.MetadataValue.path(str(summary_path)),
             "inspect_metrics": dg.MetadataValue.json(result.inspect_metrics),
             "mlflow_run": dg.MetadataValue.url(run_url),
-            "mlflow_aliases": ", ".join(f"{alias} → v{version}" for alias, version in aliases.items()) or "unchanged",
+            # Aliases move after this run: link to the page that shows them now, and say what this run moved.
+            **({"mlflow_aliases": dg.MetadataValue.url(registered_model_url(manifest.registered_model))} if manifest else {}),
+            "aliases_moved_at_materialization": ", ".join(f"{alias} → v{version}" for alias, version in aliases.items()) or "none",
             "wall_seconds": round(time.monotonic() - started, 2),
         },
         data_version=dg.DataVersion(Path(result.log_path).stem),

@@ -1,10 +1,17 @@
 """Benchmark automation: the job, the new-checkpoint sensor, the daily schedule, and the leaderboard's sensor.
 
 What runs is the configured suite (:class:`BenchmarkSuite`, from the environment):
-- ``POSTTRAIN_BENCHMARKS`` — comma-separated benchmark names (default ``gsm8k,mmlu``);
+- ``POSTTRAIN_BENCHMARKS`` — comma-separated benchmark names (default
+  ``arithmetic_gsm8k,arithmetic_choice,gsm8k,mmlu``: the first two are generated, so a fresh offline clone
+  always has a suite to run);
 - ``POSTTRAIN_BENCHMARK_TRIGGER`` — ``best`` (default: a checkpoint that becomes its recipe's MLflow
   ``best``) or ``every`` (every new checkpoint);
 - ``POSTTRAIN_BENCHMARK_LIMIT`` — samples per benchmark for automatic runs (default 100; 0 = all).
+
+A benchmark whose dataset is not here (no ``POSTTRAIN_HUB_MIRROR`` copy, nothing in the HF cache) is not
+requested: automation never launches a run that would fail for want of data, or download it unseen. The
+sensor and the schedule name it, with both fixes, in a warning and in their skip reason; once the data is
+there, the next evaluation requests it.
 
 A benchmarked checkpoint brings its parent and its base model along (each once), so the leaderboard
 always has the rows it compares against. Every (model, benchmark) pair is requested once: its partition
@@ -24,6 +31,7 @@ import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import dagster as dg
 
@@ -31,22 +39,24 @@ from assets.benchmarks import BASE_PREFIX, BENCHMARK_ASSETS, BENCHMARK_PARTITION
 from assets.checkpoint_manifest import CheckpointManifest, all_manifests
 from assets.registration import partitions_name
 from pipelines.best import best_manifests
+from posttrain.benchmarks.tasks import data_missing
 from resources.mlflow import MlflowResource
 
 BENCHMARK_JOB = "benchmark"
 DAILY_CRON = "0 5 * * *"
 TRIGGERS = ("best", "every")
+DEFAULT_BENCHMARKS = ("arithmetic_gsm8k", "arithmetic_choice", "gsm8k", "mmlu")
 
 
 @dataclass(frozen=True)
 class BenchmarkSuite:
-    benchmarks: tuple[str, ...] = ("gsm8k", "mmlu")
+    benchmarks: tuple[str, ...] = DEFAULT_BENCHMARKS
     trigger: str = "best"
     limit: int = 100
 
     @classmethod
     def from_env(cls) -> "BenchmarkSuite":
-        names = tuple(name.strip() for name in os.environ.get("POSTTRAIN_BENCHMARKS", "gsm8k,mmlu").split(",") if name.strip())
+        names = tuple(name.strip() for name in os.environ.get("POSTTRAIN_BENCHMARKS", ",".join(DEFAULT_BENCHMARKS)).split(",") if name.strip())
         trigger = os.environ.get("POSTTRAIN_BENCHMARK_TRIGGER", "best")
         if trigger not in TRIGGERS:
             raise ValueError(f"POSTTRAIN_BENCHMARK_TRIGGER={trigger!r}: use one of {TRIGGERS}")
@@ -55,10 +65,14 @@ class BenchmarkSuite:
     def run_config(self) -> dict:
         return {"ops": {benchmark_result.key.to_python_identifier(): {"config": {"limit": self.limit}}}}
 
-    def keys_for(self, manifest: CheckpointManifest) -> list[BenchmarkKey]:
-        """The checkpoint, its parent and its base model, each on every benchmark of the suite."""
+    def keys_for(self, manifest: CheckpointManifest, benchmarks: tuple[str, ...] | None = None) -> list[BenchmarkKey]:
+        """The checkpoint, its parent and its base model, each on every benchmark of the suite (or of ``benchmarks``)."""
         models = [manifest.partition, *([manifest.parent_partition] if manifest.parent_partition else []), base_key(manifest.base_model)]
-        return [BenchmarkKey(model, benchmark) for model in models for benchmark in self.benchmarks]
+        return [BenchmarkKey(model, benchmark) for model in models for benchmark in (self.benchmarks if benchmarks is None else benchmarks)]
+
+    def missing_data(self) -> dict[str, str]:
+        """Each benchmark of the suite whose dataset is not here, with the message naming it and both fixes."""
+        return {name: why for name in self.benchmarks if (why := data_missing(name)) is not None}
 
 
 def benchmark_job() -> "dg.UnresolvedAssetJobDefinition":
@@ -68,16 +82,35 @@ def benchmark_job() -> "dg.UnresolvedAssetJobDefinition":
     )
 
 
-def run_requests(instance: dg.DagsterInstance, suite: BenchmarkSuite, manifests: list[CheckpointManifest], trigger: str) -> list[dg.RunRequest]:
-    """Adds the partitions not requested before and returns one run request for each."""
-    keys = [key for manifest in manifests for key in suite.keys_for(manifest)]
-    return [
+@dataclass(frozen=True)
+class Plan:
+    requests: list[dg.RunRequest]
+    left_out: list[str]  # one line per benchmark not requested for want of its data: what and how to fix
+
+    def skip_reason(self, nothing_new: str) -> dg.SkipReason:
+        return dg.SkipReason("; ".join([nothing_new, *self.left_out]))
+
+
+def run_requests(instance: dg.DagsterInstance, suite: BenchmarkSuite, manifests: list[CheckpointManifest], trigger: str) -> Plan:
+    """Adds the partitions not requested before, on the benchmarks whose data is here, and returns one run
+    request for each; a benchmark without its data is left out (and named) while it has pairs to run."""
+    missing = suite.missing_data()
+    runnable = tuple(name for name in suite.benchmarks if name not in missing)
+    keys = [key for manifest in manifests for key in suite.keys_for(manifest, runnable)]
+    requests = [
         dg.RunRequest(
             run_key=f"benchmark:{key.partition}", partition_key=key.partition, run_config=suite.run_config(),
             tags={"posttrain/trigger": trigger},
         )
         for key in ensure_partitions(instance, keys)
     ]
+    left_out = []
+    for name, why in missing.items():
+        pending = {key.model for manifest in manifests for key in suite.keys_for(manifest, (name,))
+                   if not instance.has_dynamic_partition(BENCHMARK_PARTITIONS.name, key.partition)}
+        if pending:
+            left_out.append(f"{name} not requested for {len(pending)} model(s): {why}")
+    return Plan(requests, left_out)
 
 
 def new_checkpoint_sensor(suite: BenchmarkSuite, job: "dg.UnresolvedAssetJobDefinition") -> dg.SensorDefinition:
@@ -87,16 +120,19 @@ def new_checkpoint_sensor(suite: BenchmarkSuite, job: "dg.UnresolvedAssetJobDefi
         minimum_interval_seconds=60,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description=f"Benchmarks ({', '.join(suite.benchmarks)}) each checkpoint that becomes its recipe's `best`"
-        " (or every new checkpoint: POSTTRAIN_BENCHMARK_TRIGGER=every), with its parent and base model.",
+        " (or every new checkpoint: POSTTRAIN_BENCHMARK_TRIGGER=every), with its parent and base model;"
+        " a benchmark whose dataset is not local is left out and named in the skip reason.",
     )
     def _sensor(context: dg.SensorEvaluationContext, mlflow: MlflowResource) -> Iterator[dg.RunRequest | dg.SkipReason]:
         manifests = [manifest for manifest in all_manifests() if manifest.sampler_path]
         if suite.trigger == "best":
             manifests = best_manifests(manifests, mlflow)
-        requests = run_requests(context.instance, suite, manifests, f"sensor:{suite.trigger}")
-        if not requests:
-            yield dg.SkipReason(f"no new checkpoint to benchmark ({len(manifests)} candidate(s) already requested)")
-        yield from requests
+        plan = run_requests(context.instance, suite, manifests, f"sensor:{suite.trigger}")
+        for line in plan.left_out:
+            context.log.warning(line)
+        if not plan.requests:
+            yield plan.skip_reason(f"no new checkpoint to benchmark ({len(manifests)} candidate(s) already requested)")
+        yield from plan.requests
 
     return _sensor
 
@@ -107,13 +143,16 @@ def newest_checkpoint_schedule(suite: BenchmarkSuite, job: "dg.UnresolvedAssetJo
         job=job,
         cron_schedule=DAILY_CRON,
         default_status=dg.DefaultScheduleStatus.RUNNING,
-        description=f"Daily: benchmarks ({', '.join(suite.benchmarks)}) the newest checkpoint of each recipe not benchmarked yet.",
+        description=f"Daily: benchmarks ({', '.join(suite.benchmarks)}) the newest checkpoint of each recipe not benchmarked yet"
+        " (a benchmark whose dataset is not local is left out and named in the skip reason).",
     )
     def _schedule(context: dg.ScheduleEvaluationContext) -> Iterator[dg.RunRequest | dg.SkipReason]:
-        requests = run_requests(context.instance, suite, newest_per_recipe(context.instance), "schedule")
-        if not requests:
-            yield dg.SkipReason("the newest checkpoint of every recipe is benchmarked already")
-        yield from requests
+        plan = run_requests(context.instance, suite, newest_per_recipe(context.instance), "schedule")
+        for line in plan.left_out:
+            context.log.warning(line)
+        if not plan.requests:
+            yield plan.skip_reason("the newest checkpoint of every recipe is benchmarked already")
+        yield from plan.requests
 
     return _schedule
 
@@ -183,15 +222,23 @@ def run_cli(reference: str | None, tasks: list[str], limit: int, max_tokens: int
     with dg.DagsterInstance.get() as instance:
         status = _benchmark_tasks(instance, reference, tasks, limit, max_tokens, task_args) if tasks else 0
         if show_leaderboard:
-            resources = {"mlflow": default_resources()["mlflow"]}
-            outcome = dg.materialize([leaderboard], instance=instance, resources=resources, raise_on_error=False)
-            if not outcome.success:
-                print(f"error: leaderboard: {_failure_message(outcome)}", file=sys.stderr)
+            try:
+                metadata = refresh_leaderboard(instance, default_resources()["mlflow"])
+            except RuntimeError as error:
+                print(f"error: {error}", file=sys.stderr)
                 return 2
-            metadata = outcome.asset_materializations_for_node("leaderboard")[0].metadata
-            print(metadata["leaderboard"].value)
-            print(f"chart: {metadata['chart'].value}")
+            print(metadata["leaderboard"])
+            print(f"chart: {metadata['chart']}")
         return status
+
+
+def refresh_leaderboard(instance: dg.DagsterInstance, mlflow: MlflowResource, tags: dict[str, str] | None = None) -> dict[str, Any]:
+    """Materializes ``leaderboard`` and returns its metadata values (``leaderboard`` markdown, ``chart`` and
+    ``table`` paths); a failed run raises RuntimeError with the reason."""
+    outcome = dg.materialize([leaderboard], instance=instance, resources={"mlflow": mlflow}, raise_on_error=False, tags=tags)
+    if not outcome.success:
+        raise RuntimeError(f"leaderboard: {_failure_message(outcome)}")
+    return {name: getattr(value, "value", value) for name, value in outcome.asset_materializations_for_node("leaderboard")[0].metadata.items()}
 
 
 def _benchmark_tasks(instance: dg.DagsterInstance, reference: str, tasks: list[str], limit: int, max_tokens: int, task_args: dict[str, object]) -> int:

@@ -5,6 +5,8 @@ Stage by stage (SFT → DPO on on-policy pairs → RL), each stage runs its reci
 ``<recipe>_eval`` job for every checkpoint that run produced, on the DAGSTER_HOME that `make ui` serves,
 so every run, asset, check and MLflow entry is there to browse afterwards. Each stage's eval reports
 compare the checkpoint with the base model and with its parent (the previous stage's checkpoint).
+Then the benchmark stage runs the ``benchmark`` job (the one the sensor launches) for the base model and
+each stage's final checkpoint on two generated benchmarks, and materializes and prints the ``leaderboard``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class DemoStage:
     recipe: str
     run_config: dict[str, Any]  # the ops config of `<recipe>_chain`
     eval_config: dict[str, Any] = field(default_factory=lambda: dict(DEMO_EVAL))  # `<recipe>_eval_report`'s config
+    benchmarked: bool = True  # its final checkpoint joins the leaderboard (a preference model answers no questions)
 
     @property
     def chain_job(self) -> str:
@@ -92,6 +95,7 @@ PREFERENCE_MODEL_STAGE = DemoStage(
         "onpolicy_comparisons": {"config": DEMO_PM_COMPARISONS},
         "preference_model_checkpoint": {"config": {**DEMO_PM, "comparisons": "onpolicy_comparisons"}},
     },
+    benchmarked=False,
 )
 DEMO_RLHF = {
     "init_from": "latest:sft",
@@ -120,10 +124,25 @@ class StageResult:
     seconds: float = 0.0
 
 
+# The leaderboard: the base model and every stage's final checkpoint on GSM8K-format sums and their
+# multiple-choice variant (generated, offline), 100 problems each — about as much sampling as one eval report.
+DEMO_BENCHMARKS = ("arithmetic_gsm8k", "arithmetic_choice")
+DEMO_BENCHMARK_LIMIT = 100
+
+
+@dataclass
+class BenchmarkStageResult:
+    partitions: list[str]
+    leaderboard: str  # the leaderboard as a terminal table
+    chart: str
+    seconds: float
+
+
 @dataclass
 class DemoResult:
     stages: list[StageResult]
     seconds: float
+    benchmarks: BenchmarkStageResult | None = None
 
 
 def run_stage(defs: dg.Definitions, instance: dg.DagsterInstance, stage: DemoStage, overrides: dict[str, Any], evaluate_all: bool) -> StageResult:
@@ -145,21 +164,52 @@ def run_stage(defs: dg.Definitions, instance: dg.DagsterInstance, stage: DemoSta
     return result
 
 
+def run_benchmark_stage(defs: dg.Definitions, instance: dg.DagsterInstance, models: list[str], limit: int = DEMO_BENCHMARK_LIMIT) -> BenchmarkStageResult:
+    """Each (model, benchmark) pair through the ``benchmark`` job, then the ``leaderboard``; ``models`` are
+    partition keys of checkpoints or ``base:<model>``. A pair benchmarked before is run again (its newest result counts)."""
+    from assets.benchmarks import BenchmarkKey, ensure_partitions
+    from pipelines.benchmarks import BENCHMARK_JOB, refresh_leaderboard
+    from posttrain.benchmarks import leaderboard as board
+
+    started = time.monotonic()
+    keys = [BenchmarkKey(model, benchmark) for model in models for benchmark in DEMO_BENCHMARKS]
+    ensure_partitions(instance, keys)
+    job = defs.resolve_job_def(BENCHMARK_JOB)
+    # Every problem in flight at once: localtinker batches them into one decode loop per run.
+    run_config = {**QUIET, "ops": {"benchmark_result": {"config": {"limit": limit, "max_connections": max(limit, 1)}}}}
+    for key in keys:
+        run = job.execute_in_process(instance=instance, partition_key=key.partition, run_config=run_config, tags={"posttrain/trigger": "demo"})
+        if not run.success:
+            raise RuntimeError(f"benchmark {key.partition} failed (run {run.run_id}); see `make ui`")
+    metadata = refresh_leaderboard(instance, defs.resources["mlflow"], tags={"posttrain/trigger": "demo"})
+    rows = board.rows_from_table(pq.read_table(metadata["table"]))
+    shown = [row for row in rows if any(row.model == key.model and row.benchmark == key.benchmark for key in keys)]
+    return BenchmarkStageResult([key.partition for key in keys], board.text(shown), str(metadata["chart"]), time.monotonic() - started)
+
+
 def run_demo(
     defs: dg.Definitions,
     overrides: dict[str, dict[str, Any]] | None = None,
     evaluate_all: bool = True,
     stages: tuple[DemoStage, ...] = STAGES,
+    benchmark: bool = True,
 ) -> DemoResult:
     """``overrides``: per-op config overrides, e.g. ``{"sft_checkpoint": {"max_steps": 10}}``."""
     started = time.monotonic()
     home = ensure_dagster_home()
     results = []
+    benchmarks = None
     with dg.DagsterInstance.from_config(str(home)) as instance:
         for stage in stages:
             results.append(run_stage(defs, instance, stage, overrides or {}, evaluate_all))
             print(format_stage(results[-1]), flush=True)
-    return DemoResult(results, time.monotonic() - started)
+        finals = [result.checkpoints[-1] for result in results if result.checkpoints and result.stage.benchmarked]
+        if benchmark and finals:
+            from assets.benchmarks import base_key
+
+            benchmarks = run_benchmark_stage(defs, instance, [base_key(finals[0].base_model), *(final.partition for final in finals)])
+            print(format_benchmarks(benchmarks), flush=True)
+    return DemoResult(results, time.monotonic() - started, benchmarks)
 
 
 SHOWN_METRICS = ("accuracy", "reward", "pass@1", "pass@4", "pair_accuracy", "margin", "comparison_accuracy", "orders_agree",
@@ -202,6 +252,13 @@ def format_stage(result: StageResult) -> str:
             lines.append(
                 f"   {head}  {metric:<14} {row['n']:>4} {_cell(row['base']):>7} {_cell(row['parent']):>7} {_cell(row['checkpoint']):>7}  {_delta(row)}"
             )
+    return "\n".join(lines)
+
+
+def format_benchmarks(result: BenchmarkStageResult) -> str:
+    lines = [f"== leaderboard: {result.seconds:.0f} s, {len(result.partitions)} benchmark runs (limit {DEMO_BENCHMARK_LIMIT} each)"]
+    lines += [f"   {line}" for line in result.leaderboard.splitlines()]
+    lines += [f"   chart: {result.chart}", f"   transcripts: inspect view --log-dir {state_subdir('benchmarks')}"]
     return "\n".join(lines)
 
 

@@ -4,14 +4,17 @@ The same loader as training data (``posttrain.datasets.sources``): a hub id reso
 directory, laid out like the hub repository, when ``POSTTRAIN_HUB_MIRROR`` holds one, else to
 ``datasets.load_dataset(<hub id>)``, which reads the HF cache offline and downloads when online.
 A dataset found in neither is a :class:`BenchmarkDataMissing` naming the dataset and both fixes.
+:func:`local_copy` says where a copy is without reading it, so automation can leave out a benchmark whose
+data is not here instead of launching a run that fails (or downloads in the background).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from posttrain.datasets.sources import HUB_MIRROR_ENV, SourceNotFoundError, iter_raw_rows
+from posttrain.datasets.sources import HUB_MIRROR_ENV, SourceNotFoundError, iter_raw_rows, mirror_dir
 
 
 class BenchmarkDataMissing(FileNotFoundError):
@@ -34,6 +37,26 @@ def load_records(dataset: HubDataset, benchmark: str) -> list[dict[str, Any]]:
         return [raw.record for raw in iter_raw_rows(dataset.hub_id, split=dataset.split, config_name=dataset.config)]
     except SourceNotFoundError as error:
         raise missing(benchmark, dataset, error) from error
+
+
+def local_copy(dataset: HubDataset) -> Path | None:
+    """The mirror directory, or the Hugging Face cache folder (datasets' built cache or the hub's file cache),
+    that holds ``dataset``; None when neither does. Reads directory names only (a sensor calls it every tick)."""
+    import datasets.config
+    from datasets.naming import camelcase_to_snakecase
+    from huggingface_hub import constants
+
+    mirror = mirror_dir(dataset.hub_id)
+    if mirror is not None:
+        return mirror
+    *namespace, name = dataset.hub_id.split("/")
+    built = Path(datasets.config.HF_DATASETS_CACHE).expanduser() / "___".join([*namespace, camelcase_to_snakecase(name)])
+    if any(path.is_dir() for path in built.glob(f"{dataset.config or '*'}/*/*")):
+        return built
+    files = Path(constants.HF_HUB_CACHE).expanduser() / ("datasets--" + dataset.hub_id.replace("/", "--"))
+    if any((files / "snapshots").glob("*/*")):
+        return files
+    return None
 
 
 def missing(benchmark: str, dataset: HubDataset, cause: BaseException) -> BenchmarkDataMissing:

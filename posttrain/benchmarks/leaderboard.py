@@ -106,6 +106,26 @@ def markdown(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def text(rows: Sequence[Row]) -> str:
+    """The rows as a terminal table, one line per model × benchmark (what `make demo` prints)."""
+    width = max([len("model"), *(len(row.model) for row in rows)])
+    bench_width = max([len("benchmark"), *(len(row.benchmark) for row in rows)])
+    lines = [f"{'model':<{width}}  {'benchmark':<{bench_width}}  {'value ± s.e.':>14}  {'n':>5}  Δ vs parent ± s.e. (paired n)"]
+    for row in rows:
+        stderr = "?" if math.isnan(row.stderr) else f"{row.stderr:.3f}"
+        delta = ""
+        if row.delta_parent_n:
+            delta_se = "?" if math.isnan(row.delta_parent_stderr) else f"{row.delta_parent_stderr:.3f}"
+            delta = f"{row.delta_parent:+.3f} ± {delta_se} ({row.delta_parent_n}){' *' if row.significant else ''}  vs {row.parent}"
+        lines.append(f"{row.model:<{width}}  {row.benchmark:<{bench_width}}  {row.value:>6.3f} ± {stderr:>5}  {row.n:>5}  {delta}".rstrip())
+    return "\n".join(lines)
+
+
+def rows_from_table(table: pa.Table) -> list[Row]:
+    """The rows :func:`table` wrote, back (e.g. from the leaderboard's parquet file)."""
+    return [Row(**record) for record in table.to_pylist()]
+
+
 def chart(rows: Sequence[Row], path: Path) -> Path:
     """A grouped bar chart (benchmark groups, one bar per model) with ±1 s.e. error bars, as PNG."""
     import matplotlib

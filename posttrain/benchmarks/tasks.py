@@ -6,6 +6,8 @@
   published task's prompt and sample schema (taken from ``inspect_evals`` where it has them) and our
   graders: math-verify for GSM8K and MATH-500, inspect's multiple-choice scorer for MMLU, the IFEval
   instruction checks, HumanEval in our bubblewrap sandbox;
+- a name in :data:`GENERATED_TASKS` (``arithmetic_gsm8k``, ``arithmetic_choice``): generated problems, no
+  dataset at all (:mod:`posttrain.benchmarks.arithmetic`);
 - ``inspect_evals/<task>`` (or a bare registry name such as ``boolq``): that task as its package defines
   it, reading its dataset from the Hugging Face cache when offline;
 - a path to a ``.py`` task file, optionally ``file.py@task_name``: the tasks inspect finds in it.
@@ -15,6 +17,7 @@ Every benchmark samples greedily (temperature 0) with its own answer budget (``-
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,39 +26,18 @@ from typing import Any
 from inspect_ai import Task
 from inspect_ai.dataset import MemoryDataset, Sample
 from inspect_ai.model import GenerateConfig
-from inspect_ai.scorer import CORRECT, INCORRECT, Score, Scorer, Target, accuracy, choice, scorer, stderr
-from inspect_ai.solver import TaskState, generate, multiple_choice, prompt_template, system_message
+from inspect_ai.scorer import Scorer, choice
+from inspect_ai.solver import generate, multiple_choice, prompt_template, system_message
 
-from posttrain.benchmarks.graders import grade_math
-from posttrain.benchmarks.hub import BenchmarkDataMissing, HubDataset, load_records
+from posttrain.benchmarks.arithmetic import GENERATED_TASKS
+from posttrain.benchmarks.graders import MATH_PROMPT, math_answer
+from posttrain.benchmarks.hub import BenchmarkDataMissing, HubDataset, load_records, local_copy, missing
 
 INSPECT_EVALS_PREFIX = "inspect_evals/"
 
 
 class UnknownBenchmarkError(ValueError):
     """A task reference that is no benchmark name, no inspect_evals task and no task file."""
-
-
-MATH_PROMPT = """
-Solve the following math problem step by step. The last line of your response should be of the form "ANSWER: $ANSWER" (without quotes) where $ANSWER is the answer to the problem.
-
-{prompt}
-
-Remember to put your answer on its own line at the end in the form "ANSWER: $ANSWER" (without quotes) where $ANSWER is the answer to the problem, and you do not need to use a \\boxed command.
-
-Reasoning:
-""".strip()
-
-
-@scorer(metrics=[accuracy(), stderr()])
-def math_answer() -> Scorer:
-    """Correct when the response's final answer equals the target under math-verify."""
-
-    async def score(state: TaskState, target: Target) -> Score:
-        grade = grade_math(state.output.completion, target.text)
-        return Score(value=CORRECT if grade.correct else INCORRECT, answer=grade.extracted)
-
-    return score
 
 
 @dataclass(frozen=True)
@@ -197,15 +179,30 @@ class ResolvedTask:
 
 
 def benchmark_names() -> list[str]:
-    return sorted(BENCHMARKS)
+    return sorted([*BENCHMARKS, *GENERATED_TASKS])
+
+
+def canonical_name(reference: str) -> str:
+    return ALIASES.get(reference.lower(), reference.lower())
+
+
+def data_missing(reference: str) -> str | None:
+    """Why ``reference`` cannot run here for want of its dataset (the message names the dataset and both
+    fixes), or None: its data is local, it needs none, or only running it can tell (inspect_evals, files)."""
+    benchmark = BENCHMARKS.get(canonical_name(reference))
+    if benchmark is None or benchmark.fallback is not None or local_copy(benchmark.dataset) is not None:
+        return None
+    return str(missing(benchmark.name, benchmark.dataset, FileNotFoundError("no copy in the mirror or the Hugging Face cache")))
 
 
 def resolve_task(reference: str, args: Mapping[str, Any] | None = None) -> ResolvedTask:
     """A benchmark name, ``inspect_evals/<task>``, registry name or ``file.py[@task]`` as a runnable task."""
     args = dict(args or {})
-    name = ALIASES.get(reference.lower(), reference.lower())
+    name = canonical_name(reference)
     if name in BENCHMARKS:
         return ResolvedTask(name, BENCHMARKS[name].task(args), "benchmark")
+    if name in GENERATED_TASKS:
+        return ResolvedTask(name, _generated(name, args), "benchmark")
     file_part = reference.split("@", 1)[0]
     if file_part.endswith(".py"):
         path = Path(file_part).expanduser()
@@ -214,6 +211,15 @@ def resolve_task(reference: str, args: Mapping[str, Any] | None = None) -> Resol
         return ResolvedTask(_file_task_name(reference), _create(str(path.resolve()) + reference[len(file_part):], args, reference), "file")
     registry_name = reference if reference.startswith(INSPECT_EVALS_PREFIX) else INSPECT_EVALS_PREFIX + reference
     return ResolvedTask(registry_name[len(INSPECT_EVALS_PREFIX):], _create(registry_name, args, reference), "inspect_evals")
+
+
+def _generated(name: str, args: Mapping[str, Any]) -> Task:
+    factory = GENERATED_TASKS[name]
+    allowed = [parameter for parameter in inspect.signature(factory).parameters]
+    unknown = sorted(set(args) - set(allowed))
+    if unknown:
+        raise UnknownBenchmarkError(f"benchmark {name!r} takes no argument(s) {unknown}; it takes: {', '.join(allowed)}")
+    return factory(**args)
 
 
 def _create(spec: str, args: Mapping[str, Any], reference: str) -> Task:

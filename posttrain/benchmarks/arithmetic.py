@@ -1,13 +1,13 @@
-"""Two local inspect tasks that need no download: GSM8K-format sums and a multiple-choice variant.
+"""Two benchmarks that need no download: GSM8K-format sums and a multiple-choice variant.
 
 They ask what `make demo`'s recipes train on (two-number sums, "Calculate 43 + 12."), so the leaderboard
-shows the demo's checkpoints moving against their base model, offline:
+shows the demo's checkpoints against their base model on a fresh offline clone, and the automation's
+default suite always has something it can run. ``arithmetic_gsm8k`` is graded like ``gsm8k`` (its prompt,
+math-verify on the ``ANSWER:`` line); ``arithmetic_choice`` like ``mmlu`` (inspect's multiple-choice prompt,
+letter answer). Problems come from a fixed seed, so every model answers the same ones (paired comparisons).
 
-    python -m pipelines benchmark base:HuggingFaceTB/SmolLM2-135M-Instruct --task examples/benchmarks/arithmetic_tasks.py@arithmetic_gsm8k
-    python -m pipelines benchmark <checkpoint> --task examples/benchmarks/arithmetic_tasks.py@arithmetic_choice
-
-``arithmetic_gsm8k`` is graded like ``gsm8k`` (its prompt, math-verify on the ``ANSWER:`` line);
-``arithmetic_choice`` like ``mmlu`` (letter answer). Problems are drawn from a fixed seed.
+They are benchmarks by name (``--task arithmetic_gsm8k``); this file is also an inspect task file
+(``--task posttrain/benchmarks/arithmetic.py@arithmetic_choice``, ``inspect eval``), the shape a new one takes.
 """
 
 import random
@@ -18,7 +18,7 @@ from inspect_ai.model import GenerateConfig
 from inspect_ai.scorer import choice
 from inspect_ai.solver import generate, multiple_choice, prompt_template
 
-from posttrain.benchmarks.tasks import MATH_PROMPT, math_answer
+from posttrain.benchmarks.graders import MATH_PROMPT, math_answer
 
 
 def _sums(count: int, seed: int) -> list[tuple[int, int]]:
@@ -30,7 +30,7 @@ def _sums(count: int, seed: int) -> list[tuple[int, int]]:
 def arithmetic_gsm8k(count: int = 100, seed: int = 1234, max_tokens: int = 64) -> Task:
     samples = [Sample(id=f"sum-{a}-{b}-{i}", input=f"Calculate {a} + {b}.", target=str(a + b)) for i, (a, b) in enumerate(_sums(count, seed))]
     return Task(dataset=samples, solver=[prompt_template(MATH_PROMPT), generate()], scorer=math_answer(),
-                config=GenerateConfig(temperature=0.0, max_tokens=max_tokens))
+                config=GenerateConfig(temperature=0.0, max_tokens=max_tokens), name="arithmetic_gsm8k")
 
 
 @task
@@ -43,4 +43,8 @@ def arithmetic_choice(count: int = 100, seed: int = 4321, max_tokens: int = 16) 
         shuffled = sorted(options, key=lambda _: rng.random())
         samples.append(Sample(id=f"choice-{a}-{b}-{i}", input=f"Calculate {a} + {b}.", choices=[str(o) for o in shuffled],
                               target="ABCD"[shuffled.index(right)]))
-    return Task(dataset=samples, solver=[multiple_choice()], scorer=choice(), config=GenerateConfig(temperature=0.0, max_tokens=max_tokens))
+    return Task(dataset=samples, solver=[multiple_choice()], scorer=choice(), config=GenerateConfig(temperature=0.0, max_tokens=max_tokens),
+                name="arithmetic_choice")
+
+
+GENERATED_TASKS = {"arithmetic_gsm8k": arithmetic_gsm8k, "arithmetic_choice": arithmetic_choice}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from posttrain.benchmarks.graders import answer_line, grade_math
+from posttrain.eval.math_answers import answer_line, grade_math
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,62 @@
+"""Grading math answers with ``math-verify``: one grader for GSM8K-format and MATH answers.
+
+The model is asked (inspect's convention) to end with ``ANSWER: <answer>``. When such a line exists
+only it is graded (as LaTeX when it looks like math, else as text, so ``18 dollars`` reads 18), so a
+number in the reasoning cannot count; otherwise math-verify extracts the
+final expression itself (the last ``\\boxed{}``, then the last LaTeX or plain expression).
+math-verify then compares *values*: ``1,000`` = ``1000``, ``\\frac{1}{2}`` = ``0.5``, ``x=3`` = ``3``,
+equal sets and intervals — which a regex over numbers cannot.
+
+math-verify bounds its sympy work with ``signal.alarm``, which only the main thread may use: off the
+main thread (a Dagster step thread, a worker) the bound is left off rather than crashing.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+
+_ANSWER_LINE = re.compile(r"ANSWER\s*:\s*(.+)", re.IGNORECASE)
+_LATEX_HINT = re.compile(r"[\\{}()\[\]^]")  # LaTeX, tuples, intervals: read as math; "18 dollars" as text
+TIMEOUT_S = 5
+
+
+@dataclass(frozen=True)
+class MathGrade:
+    correct: bool
+    extracted: str  # what was graded (the ANSWER line, or math-verify's pick), for the sample's record
+
+
+def answer_line(response: str) -> str | None:
+    """The text after the last ``ANSWER:`` (to the end of its line), or None."""
+    matches = _ANSWER_LINE.findall(response)
+    if not matches:
+        return None
+    return matches[-1].strip().strip("$").strip() or None
+
+
+def grade_math(response: str, gold: str) -> MathGrade:
+    """Is ``response``'s final answer mathematically equal to ``gold`` (a number or LaTeX)?"""
+    from math_verify import parse, verify
+
+    timeout = TIMEOUT_S if threading.current_thread() is threading.main_thread() else 0
+    stated = answer_line(response)
+    if stated is None:
+        predicted = parse(response, parsing_timeout=timeout)
+    else:
+        readings = [_as_latex(stated), stated] if _LATEX_HINT.search(stated) else [stated, _as_latex(stated)]
+        predicted = next((found for found in (parse(text, parsing_timeout=timeout) for text in readings) if found), [])
+    expected = parse(_as_latex(gold), parsing_timeout=timeout)
+    if not predicted or not expected:
+        return MathGrade(False, str(predicted[-1]) if predicted else "")
+    correct = bool(verify(expected, predicted, timeout_seconds=timeout or None))
+    return MathGrade(correct, str(predicted[-1]))
+
+
+def _as_latex(answer: str) -> str:
+    """A bare answer in math delimiters, so math-verify's LaTeX extraction reads all of it."""
+    answer = answer.strip()
+    if "\\boxed" in answer or answer.startswith("$"):
+        return answer
+    return f"${answer}$"
