@@ -11,13 +11,16 @@ gives held-out ``teacher_kl`` (``best`` follows it) on the trained prompts versi
 when they have gold answers, task accuracy and the teachers' own accuracy, against the base model and the
 student's start (the parent column).
 
-Prompt distillation: a teacher plus a system prompt answers the ``rl_problems`` questions
-(``teacher_responses``, a checked chat table *without* the system prompt, split kept); SFT of the
-student on the train answers; the eval report gives held-out agreement with the teacher and task accuracy.
+Prompt distillation: a teacher plus a system prompt answers the prompts of the table chosen in the
+launchpad (``teacher_responses``'s ``prompts``: the same three tables), giving a checked chat table
+*without* the system prompt, split kept; SFT of the student on the train answers; the eval report gives
+held-out agreement with the teacher and, when the prompts table has gold answers, held-out task accuracy —
+both on the held-out prompts of the exact prompts version the teacher answered.
 """
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import dagster as dg
 import pyarrow as pa
@@ -30,6 +33,7 @@ from assets.datasets import (
     DATA_GROUP,
     blocking,
     checked_table_output,
+    data_errors,
     empty_conversation_failures,
     failures_check,
     messages_preview,
@@ -39,8 +43,15 @@ from assets.datasets import (
 from assets.evals import EvalInputs, EvalSpec, build_eval_asset
 from assets.problems import PROBLEMS_ASSET
 from assets.rl import side_loading_error
-from assets.training import RecipeInputs, RecipeRun, TrainingSpec, build_checkpoints_asset, build_training_asset
-from assets.upstream import latest_version
+from assets.training import (
+    RecipeInputs,
+    RecipeRun,
+    TrainingSpec,
+    build_checkpoints_asset,
+    build_training_asset,
+    check_choice_is_fresh,
+)
+from assets.upstream import latest_version, read_versioned_table, unread_inputs_metadata
 from posttrain.datasets import schemas
 from posttrain.datasets.problems import rl_problems_from_table
 from posttrain.datasets.schemas import HELDOUT_SPLIT, TRAIN_SPLIT
@@ -68,7 +79,7 @@ from resources.tinker import TinkerResource
 RESPONSES_ASSET = "teacher_responses"
 TABLE_ENV = "problems"
 TEACHER_ASSETS = ("sft_checkpoint", "rl_checkpoint")  # where teachers come from: drawn as graph edges
-PROMPT_ASSETS = (PROBLEMS_ASSET, "chat_dataset", "preference_comparisons")  # tables on-policy distillation may draw prompts from
+PROMPT_ASSETS = (PROBLEMS_ASSET, "chat_dataset", "preference_comparisons")  # tables distillation may draw prompts from
 STUDENT_PARENTS = ("sft_checkpoint", "dpo_checkpoint", "rl_checkpoint")  # checkpoints a student may start from (init_from)
 ROLLOUTS_FILE = "distill_rollouts.jsonl"
 DEFAULT_SYSTEM_PROMPT = "You are a careful calculator. Think briefly, then end with 'The answer is N.'"
@@ -170,7 +181,8 @@ def distill_evaluators(inputs: EvalInputs) -> list:
     if inputs.tinker is None:
         raise dg.Failure("distill_eval_report needs the tinker resource to score with the teachers")
     prompts_asset = manifest.related.get("prompts", {}).get("asset", PROBLEMS_ASSET)
-    table = prompts_table(inputs.tables[prompts_asset])
+    source = inputs.tables[prompts_asset]
+    table = prompts_table(source)
     heldout = rl_problems_from_table(table, HELDOUT_SPLIT)[: config.max_problems or None]
     if not heldout:
         raise dg.Failure(f"the {prompts_asset} version {manifest.partition} was trained on has no held-out prompts")
@@ -181,7 +193,7 @@ def distill_evaluators(inputs: EvalInputs) -> list:
     service = inputs.tinker.get_client
     sampling = {"max_tokens": config.max_tokens, "seed": config.seed}
     evaluators: list = [TeacherKLEvaluator(renderer, routed, routing, service, **sampling)]
-    if has_gold_answers(table):
+    if has_gold_answers(source):  # chat and comparison prompts have none
         evaluators += [AccuracyEvaluator(renderer, problems, prefix="", **sampling),
                        TeacherAccuracyEvaluator(renderer, routed, routing, service, **sampling)]
     return evaluators
@@ -195,6 +207,11 @@ distill_eval_report = build_eval_asset(DISTILL_EVAL)
 
 
 class TeacherResponsesConfig(dg.Config):
+    prompts: Literal[PROMPT_ASSETS] = Field(  # type: ignore[valid-type]
+        default=PROBLEMS_ASSET,
+        description=f"Which table's prompts the teacher answers: {', '.join(PROMPT_ASSETS)} (its latest version; a chat "
+        "or comparison table gives its last user turn before the reply). Its held-out rows become held-out answers.",
+    )
     teacher: str = Field(
         default="",
         description="Teacher: empty = the base model; a checkpoint partition key, latest:<recipe>, best:<recipe>, or a "
@@ -205,7 +222,7 @@ class TeacherResponsesConfig(dg.Config):
     max_tokens: int = Field(default=64, description="Teacher answer budget.")
     temperature: float = Field(default=0.0, description="0 = greedy answers; > 0 = sampled at this temperature.")
     seed: int = Field(default=0, description="Sampling seed (per prompt: seed + position).")
-    limit: int = Field(default=0, description="Answer at most this many prompts (0 = every problem, both splits).")
+    limit: int = Field(default=0, description="Answer at most this many prompts (0 = every prompt, both splits).")
 
 
 def truncated_answers(table: pa.Table) -> list[str]:
@@ -217,23 +234,25 @@ def truncated_answers(table: pa.Table) -> list[str]:
     name=RESPONSES_ASSET,
     group_name=DATA_GROUP,
     kinds={"parquet", "tinker"},
-    deps=[BASE_MODEL_KEY, *TEACHER_ASSETS],
-    ins={PROBLEMS_ASSET: dg.AssetIn()},
+    deps=[BASE_MODEL_KEY, *TEACHER_ASSETS, *PROMPT_ASSETS],  # the prompts table is the config's choice: one is read
     check_specs=blocking(
         RESPONSES_ASSET,
         ("schema_valid", "Table has the normalized chat schema (posttrain.datasets.schemas.CHAT)."),
         ("has_assistant_turns", "Every row has the teacher's answer as an assistant message."),
         ("answers_not_empty", "No teacher answer is empty (an empty answer teaches the student to stop at once)."),
     ),
-    description="A teacher (checkpoint or base model) answers the rl_problems prompts under a system prompt; rows "
-    "hold the prompt WITHOUT the system prompt and the teacher's answer (prompt distillation's SFT data).",
+    description="A teacher (checkpoint or base model) answers the prompts of the chosen table (rl_problems, chat_dataset "
+    "or preference_comparisons) under a system prompt; rows hold the prompt WITHOUT the system prompt and the teacher's "
+    "answer (prompt distillation's SFT data).",
 )
-def teacher_responses(
-    context: dg.AssetExecutionContext, config: TeacherResponsesConfig, tinker: TinkerResource, mlflow: MlflowResource, rl_problems: pa.Table
-) -> Iterator:
+def teacher_responses(context: dg.AssetExecutionContext, config: TeacherResponsesConfig, tinker: TinkerResource, mlflow: MlflowResource) -> Iterator:
+    check_choice_is_fresh(context, RESPONSES_ASSET, "prompts", config.prompts, PROMPT_ASSETS)
     base_model = str(latest_version(context.instance, BASE_MODEL_KEY).metadata.get("base_model", "")) or tinker.base_model
     teacher, manifest = resolve_teacher(config.teacher, base_model, mlflow)
-    problems = rl_problems_from_table(rl_problems)
+    prompts_version = latest_version(context.instance, config.prompts)
+    with data_errors(RESPONSES_ASSET):
+        table = prompts_table(read_versioned_table(prompts_version.metadata, f"{config.prompts} (run {prompts_version.run_id})"))
+        problems = rl_problems_from_table(table)
     problems = problems[: config.limit] if config.limit else problems
     sampling = TeacherSampling(config.system_prompt, config.max_tokens, config.temperature, config.seed)
     with tinker.session(f"{RESPONSES_ASSET} from {teacher.name}") as client:
@@ -243,14 +262,17 @@ def teacher_responses(
         except ValueError as error:
             raise dg.Failure(f"{RESPONSES_ASSET}: {error}") from error
     table = schemas.table_from_rows(rows, schemas.CHAT)
-    prompts_version = latest_version(context.instance, PROBLEMS_ASSET).data_version
+    teacher_asset = manifest.training_asset if manifest else None
+    unread = [name for name in (*PROMPT_ASSETS, *TEACHER_ASSETS) if name not in (config.prompts, teacher_asset)]
     output = table_output(table, {
         "teacher": teacher.name,
         "teacher_partition": manifest.partition if manifest else "",
         "teacher_sampler_path": teacher.sampler_path or "",
         "teacher_base_model": teacher.base_model,
         "system_prompt": config.system_prompt,
-        "prompts_data_version": prompts_version,
+        "prompts_asset": config.prompts,
+        "prompts_data_version": prompts_version.data_version,
+        **unread_inputs_metadata(unread),
         "preview": dg.MetadataValue.md(messages_preview(table, ("messages",))),
     })
     yield from checked_table_output(RESPONSES_ASSET, output, [
@@ -290,28 +312,36 @@ prompt_distill_checkpoint = build_training_asset(PROMPT_DISTILL)
 prompt_distill_checkpoints = build_checkpoints_asset(PROMPT_DISTILL)
 
 
+def responses_prompts_asset(manifest: CheckpointManifest) -> str:
+    """The prompts table the teacher answered for this checkpoint's teacher_responses version."""
+    recorded = manifest.upstream.get(RESPONSES_ASSET, {}).get("metadata", {})
+    return str(recorded.get("prompts_asset") or PROBLEMS_ASSET)
+
+
 def prompt_distill_evaluators(inputs: EvalInputs) -> list:
-    """Held-out agreement with the teacher's answers, and task accuracy on the held-out problems."""
-    config = inputs.config
+    """Held-out agreement with the teacher's answers; with gold answers (an rl_problems table), task accuracy on
+    the held-out prompts of the prompts version the teacher answered (the manifest's, never the latest)."""
+    config, manifest = inputs.config, inputs.manifest
     agreement = agreement_problems(inputs.tables[RESPONSES_ASSET].to_pylist(), config.max_problems)
-    problems = problems_from_table(inputs.tables[PROBLEMS_ASSET], split=HELDOUT_SPLIT, limit=config.max_problems or None)
-    if not agreement or not problems:
-        raise dg.Failure(f"{inputs.manifest.partition} was trained on data with no held-out prompts: "
-                         "materialize rl_problems with heldout_fraction > 0, then teacher_responses")
-    renderer = get_renderer(inputs.manifest.renderer or "chatml", inputs.tokenizer)
-    return [
-        AgreementEvaluator(renderer, agreement, max_tokens=config.max_tokens, seed=config.seed),
-        AccuracyEvaluator(renderer, problems, prefix="", max_tokens=config.max_tokens, seed=config.seed),
-    ]
+    if not agreement:
+        raise dg.Failure(f"{manifest.partition} was trained on data with no held-out prompts: "
+                         "materialize its prompts table with heldout_fraction > 0, then teacher_responses")
+    renderer = get_renderer(manifest.renderer or "chatml", inputs.tokenizer)
+    evaluators: list = [AgreementEvaluator(renderer, agreement, max_tokens=config.max_tokens, seed=config.seed)]
+    prompts = inputs.tables[responses_prompts_asset(manifest)]
+    if has_gold_answers(prompts):  # chat and comparison prompts have none
+        problems = problems_from_table(prompts, split=HELDOUT_SPLIT, limit=config.max_problems or None)
+        evaluators.append(AccuracyEvaluator(renderer, problems, prefix="", max_tokens=config.max_tokens, seed=config.seed))
+    return evaluators
 
 
 PROMPT_DISTILL_EVAL = EvalSpec(
-    training=PROMPT_DISTILL, data_assets=(RESPONSES_ASSET, PROBLEMS_ASSET), evaluators=prompt_distill_evaluators,
+    training=PROMPT_DISTILL, data_assets=(RESPONSES_ASSET, *PROMPT_ASSETS), evaluators=prompt_distill_evaluators,
     score_metric="agreement",
 )
 prompt_distill_eval_report = build_eval_asset(PROMPT_DISTILL_EVAL)
 
 DISTILL_DATA_ASSETS = ("base_model", PROBLEMS_ASSET)
-PROMPT_DISTILL_DATA_ASSETS = ("base_model", PROBLEMS_ASSET, RESPONSES_ASSET)
+PROMPT_DISTILL_DATA_ASSETS = ("base_model", PROBLEMS_ASSET, RESPONSES_ASSET)  # the prompts table by default: rl_problems
 DISTILL_ASSETS = (distill_checkpoint, distill_checkpoints, distill_eval_report, teacher_responses,
                   prompt_distill_checkpoint, prompt_distill_checkpoints, prompt_distill_eval_report)

@@ -58,7 +58,14 @@ from assets.training import (
     build_training_asset,
     check_choice_is_fresh,
 )
-from assets.upstream import VERSION_PATH_KEY, UpstreamVersion, inputs_of, latest_version, read_versioned_table
+from assets.upstream import (
+    VERSION_PATH_KEY,
+    UpstreamVersion,
+    inputs_of,
+    latest_version,
+    read_versioned_table,
+    unread_inputs_metadata,
+)
 from posttrain.atomic_files import staged
 from posttrain.datasets import schemas
 from posttrain.datasets.schemas import HELDOUT_SPLIT, TRAIN_SPLIT
@@ -264,6 +271,7 @@ def reference_logprobs(context: dg.AssetExecutionContext, config: ReferenceConfi
     pairs_version = latest_version(context.instance, config.pairs)
     reference = resolve_model(config.reference, materialized_base_model(context, tinker), mlflow, "reference")
     version = reference_version(pairs_version.data_version, reference)
+    reference_asset = read_manifest(reference.partition).training_asset if reference.partition else None
     cache = state_subdir(REFERENCE_ASSET) / f"{version}.parquet"
     cached = cache.exists()
     if cached:
@@ -287,6 +295,7 @@ def reference_logprobs(context: dg.AssetExecutionContext, config: ReferenceConfi
         "reference_partition": reference.partition or "",
         "reference_sampler_path": reference.sampler_path or "",
         "reference_base_model": reference.base_model,
+        **unread_inputs_metadata([name for name in (*PAIR_ASSETS, *SAMPLER_ASSETS) if name not in (config.pairs, reference_asset)]),
     }
     output = versioned_output(table, metadata, version)
     yield from checked_table_output(REFERENCE_ASSET, output, [schema_check(table, REFERENCE_LOGPROBS), failures_check("finite", nonfinite_failures(table))])
@@ -372,7 +381,8 @@ def build_dpo(inputs: RecipeInputs) -> RecipeRun:
     if sampler:
         related["pair_sampler"] = sampler
     evaluators = [recipe.heldout_evaluator()] if heldout else []
-    return RecipeRun(recipe, evaluators=evaluators, related=related, renderer=str(pairs_version.metadata.get("renderer", "")))
+    return RecipeRun(recipe, evaluators=evaluators, related=related, renderer=str(pairs_version.metadata.get("renderer", "")),
+                     read={REFERENCE_ASSET: shared[1]} if shared else {})
 
 
 DPO = TrainingSpec(

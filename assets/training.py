@@ -77,6 +77,9 @@ class RecipeRun:
     row_sinks: Sequence[RowSink] = ()
     related: dict[str, Any] = field(default_factory=dict)  # recipe lineage into every manifest (teachers, reference ...)
     renderer: str = ""
+    # Tables the recipe chose to read beyond its inputs (DPO's shared reference logprobs, when they match):
+    # recorded in the manifest like the inputs, so a table read always has its version there.
+    read: dict[str, UpstreamVersion] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -186,7 +189,7 @@ def _materialize(spec, context, config, tinker: TinkerResource, mlflow: MlflowRe
     )
     inputs = RecipeInputs(context, library, config, tables, versions, base_model, parent, tinker, log_dir)
     recipe_run = spec.build(inputs)
-    lineage = _Lineage(spec, context, base, versions, parent, recipe_run, base_model, training_run_id, log_dir)
+    lineage = _Lineage(spec, context, base, {**versions, **recipe_run.read}, parent, recipe_run, base_model, training_run_id, log_dir)
     started = time.monotonic()
     with mlflow.start_run(
         context,

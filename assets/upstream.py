@@ -13,6 +13,9 @@ import dagster as dg
 
 DATA_VERSION_TAG = "dagster/data_version"
 INPUT_POINTER_TAG = "dagster/input_event_pointer/"
+# Metadata of a materialization that chose among its upstream assets: the ones drawn as graph edges that it
+# did not read. Dagster points at every parent's latest version; lineage must name only what was read.
+UNREAD_INPUTS_KEY = "lineage/unread_inputs"
 
 
 @dataclass(frozen=True)
@@ -40,13 +43,22 @@ def latest_version(instance: dg.DagsterInstance, asset_key: str | dg.AssetKey) -
     return _version(key, records[0].event_log_entry, records[0].storage_id)
 
 
+def unread_inputs_metadata(unread: list[str] | tuple[str, ...]) -> dict[str, dg.MetadataValue]:
+    """Metadata naming the upstream assets a materialization chose not to read (see :func:`inputs_of`)."""
+    return {UNREAD_INPUTS_KEY: dg.MetadataValue.json(sorted(unread))}
+
+
 def inputs_of(instance: dg.DagsterInstance, version: UpstreamVersion) -> dict[str, UpstreamVersion]:
-    """The exact upstream materializations ``version`` was computed from (Dagster's input event pointers)."""
+    """The exact upstream materializations ``version`` was computed from (Dagster's input event pointers),
+    less those it recorded it did not read (:data:`UNREAD_INPUTS_KEY`)."""
     found = {}
+    unread = set(version.metadata.get(UNREAD_INPUTS_KEY) or ())
     for tag, value in version.tags.items():
         if not tag.startswith(INPUT_POINTER_TAG) or not value.isdigit():  # "NULL": a dep never materialized
             continue
         key = dg.AssetKey.from_user_string(tag[len(INPUT_POINTER_TAG) :])
+        if key.to_user_string() in unread:
+            continue
         records = instance.fetch_materializations(
             dg.AssetRecordsFilter(asset_key=key, storage_ids=[int(value)]), limit=1
         ).records

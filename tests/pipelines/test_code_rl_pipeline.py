@@ -15,6 +15,7 @@ from assets.checkpoint_manifest import all_manifests
 from posttrain.training.rows import JsonlRowSink
 from resources.state import STATE_DIR_ENV, ensure_dagster_home
 from tests.fixtures.dagster_env import TINY_MODEL, tiny_resources
+from tests.fixtures.lineage_audit import assert_manifest_names_exactly_the_tables_read
 
 CODE_PROBLEMS_CONFIG = {"source": "code_tasks:easy?count=24", "heldout_fraction": 0.25}
 TRAINING_CONFIG = {"max_steps": 2, "save_every": 1, "group_size": 2, "groups_per_batch": 2, "max_tokens": 8,
@@ -132,3 +133,8 @@ def test_an_env_other_than_code_is_refused_naming_the_fix(code_rl_run):
     (failure,) = [event for event in result.all_events if event.is_step_failure]
     message = failure.step_failure_data.error.message
     assert "env must be 'code'" in message and "rl_checkpoint" in message
+
+
+def test_every_manifest_names_exactly_the_tables_it_read(code_rl_run):
+    for manifest in _manifests():
+        assert_manifest_names_exactly_the_tables_read(code_rl_run.defs, manifest)

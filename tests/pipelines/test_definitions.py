@@ -49,7 +49,8 @@ ASSET_GRAPH = {
     "distill_checkpoints": (["distill_checkpoint"], "training", ["tinker"], "distill_checkpoints", []),
     "distill_eval_report": (["distill_checkpoints"], "eval", ["mlflow", "parquet", "tinker"], "distill_checkpoints", ["improves_on_base"]),
     "teacher_responses": (
-        ["base_model", "rl_checkpoint", "rl_problems", "sft_checkpoint"], "data", ["parquet", "tinker"], None,
+        ["base_model", "chat_dataset", "preference_comparisons", "rl_checkpoint", "rl_problems", "sft_checkpoint"], "data",
+        ["parquet", "tinker"], None,
         ["answers_not_empty", "has_assistant_turns", "schema_valid"],
     ),
     "prompt_distill_checkpoint": (

@@ -16,6 +16,7 @@ import pytest
 from assets.checkpoint_manifest import all_manifests
 from resources.state import STATE_DIR_ENV, ensure_dagster_home
 from tests.fixtures.dagster_env import TINY_MODEL, tiny_resources
+from tests.fixtures.lineage_audit import assert_manifest_names_exactly_the_tables_read
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(1800)  # the module fixture runs five Dagster jobs on CPU (minutes on a loaded machine)
@@ -184,3 +185,50 @@ def test_a_dataset_without_a_teacher_fails_before_training_naming_it(distill_run
     assert not result.success
     failure = next(event for event in result.all_events if event.event_type_value == "STEP_FAILURE")
     assert "no teacher for dataset 'basic_arithmetic'" in str(failure.step_failure_data.error.message)
+
+
+def test_every_manifest_names_exactly_the_tables_it_read(distill_run):
+    manifests = _manifests("distill") + _manifests("prompt_distill")
+    assert {m.recipe for m in manifests} == {"distill", "prompt_distill"}
+    for manifest in manifests:
+        assert_manifest_names_exactly_the_tables_read(distill_run.defs, manifest)
+
+
+@pytest.mark.slow
+def test_both_distillations_draw_prompts_from_the_chat_table_and_are_judged_on_its_held_out_prompts(distill_run):
+    """prompts=chat_dataset (the SFT conversations' user turns) for teacher_responses and for on-policy distillation:
+    each manifest names the chat_dataset version read and not rl_problems; each report scores that version's held-out
+    prompts (teacher agreement / teacher KL; no task accuracy: chat rows have no gold answers)."""
+    chat = distill_run.instance.fetch_materializations(dg.AssetKey("chat_dataset"), limit=1).records[0]
+    chat_version = chat.asset_materialization.tags["dagster/data_version"]
+    heldout = [r for r in pq.read_table(distill_run.state / "parquet" / "chat_dataset.parquet").to_pylist() if r["split"] == "heldout"]
+    training = {"max_steps": 1, "save_every": 0, "learning_rate": 1e-3, "lora_rank": 4}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in distill_run.env.items():
+            patch.setenv(name, value)
+        defs, instance = distill_run.defs, distill_run.instance
+        responses = defs.resolve_job_def("prompt_distill_data").execute_in_process(
+            instance=instance, asset_selection=[dg.AssetKey("teacher_responses")],
+            run_config={"ops": {"teacher_responses": {"config": {"prompts": "chat_dataset", "teacher": "latest:sft", "max_tokens": 6}}}},
+        )
+        prompt = defs.resolve_job_def("prompt_distill_train").execute_in_process(
+            instance=instance, run_config={"ops": {"prompt_distill_checkpoint": {"config": {**training, "batch_size": 4}}}})
+        onpolicy = defs.resolve_job_def("distill_train").execute_in_process(instance=instance, run_config={"ops": {"distill_checkpoint": {
+            "config": {**training, "prompts": "chat_dataset", "teachers": {"*": "latest:sft"}, "group_size": 2,
+                       "groups_per_batch": 2, "max_tokens": 6}}}})
+        manifests = [m for m in all_manifests() if m.training_dagster_run_id in (prompt.run_id, onpolicy.run_id)]
+        reports = {m.recipe: defs.resolve_job_def(f"{m.recipe}_eval").execute_in_process(
+            instance=instance, partition_key=m.partition, run_config={"ops": {f"{m.recipe}_eval_report": {"config": EVAL}}})
+            for m in manifests}
+    metadata = _metadata(responses, "teacher_responses")
+    assert (metadata["prompts_asset"], metadata["prompts_data_version"]) == ("chat_dataset", chat_version)
+    assert {m.recipe for m in manifests} == {"prompt_distill", "distill"}
+    for manifest in manifests:
+        assert manifest.upstream["chat_dataset"]["data_version"] == chat_version and "rl_problems" not in manifest.upstream
+        assert_manifest_names_exactly_the_tables_read(defs, manifest)
+        report = _metadata(reports[manifest.recipe], f"{manifest.recipe}_eval_report")
+        assert report["data_versions"]["chat_dataset"] == chat_version
+        path = distill_run.state / "parquet" / f"{manifest.recipe}_eval_report" / f"{manifest.partition}.parquet"
+        rows = {row["metric"]: row for row in pq.read_table(path).to_pylist()}
+        metric = "agreement" if manifest.recipe == "prompt_distill" else "teacher_kl"
+        assert metric in rows and "accuracy" not in rows and rows[metric]["n"] == min(len(heldout), EVAL["max_problems"])

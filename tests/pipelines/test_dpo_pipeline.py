@@ -27,6 +27,7 @@ from assets.preferences import preference_comparisons
 from posttrain.preference.recipe import REFERENCE_FILE
 from resources.state import STATE_DIR_ENV, ensure_dagster_home
 from tests.fixtures.dagster_env import TINY_MODEL, tiny_resources
+from tests.fixtures.lineage_audit import assert_manifest_names_exactly_the_tables_read
 
 REPO = Path(__file__).resolve().parents[2]
 SFT_CONFIG = {
@@ -160,6 +161,7 @@ def test_dpo_chain_registers_each_checkpoint_with_its_reference_and_pair_sampler
         assert manifest.related["reference"]["logprobs"]["data_version"] == reference_version
         assert manifest.related["pairs"]["asset"] == "onpolicy_pairs" and manifest.related["dpo"] == {"beta": 0.1}
         assert {"onpolicy_pairs", "onpolicy_comparisons", "rl_problems"} <= set(manifest.upstream)
+        assert manifest.upstream["reference_logprobs"]["data_version"] == reference_version  # read, so recorded
     metadata = _metadata(dpo_run.chain, "dpo_checkpoint")
     assert metadata["total_steps"] == 2 and 0 < metadata["final_dpo_loss"] < 5 and "final_eval/pair_accuracy" in metadata
 
@@ -297,3 +299,25 @@ def test_dpo_on_offline_pairs_trains_and_is_evaluated_on_those_pairs(dpo_run, tm
     assert rows["margin"]["n"] == min(len(heldout), EVAL["max_heldout_sequences"]) > 0
     assert abs(rows["margin"]["base"]) < 1e-3  # the base model is this run's reference: no margin
     assert evaluation.success
+    assert_manifest_names_exactly_the_tables_read(dpo_run.defs, final)
+    lineage = json.loads(_lineage_json(dpo_run, final.partition))
+    hop = lineage["hops"][0]
+    datasets = {entry["asset"]: entry for entry in hop["datasets"]}
+    assert datasets["preference_pairs"]["data_version"] == final.upstream["preference_pairs"]["data_version"]
+    assert datasets["preference_comparisons"]["source"] == "hh_rlhf" and "onpolicy_pairs" not in datasets
+    (report,) = [r for r in hop["eval_reports"] if r["run_id"] == evaluation.run_id]
+    assert report["data_versions"] == {"preference_pairs": final.upstream["preference_pairs"]["data_version"]}
+
+
+def _lineage_json(run, reference: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "pipelines", "lineage", reference, "--json"], cwd=REPO,
+                            env={**os.environ, **run.env}, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_every_manifest_names_exactly_the_tables_it_read(dpo_run):
+    manifests = _manifests("dpo")
+    assert manifests
+    for manifest in manifests:  # on-policy pairs; and, when the offline test ran first, offline pairs too
+        assert_manifest_names_exactly_the_tables_read(dpo_run.defs, manifest)

@@ -17,6 +17,7 @@ import tinker
 from assets.checkpoint_manifest import all_manifests
 from resources.state import STATE_DIR_ENV, ensure_dagster_home
 from tests.fixtures.dagster_env import TINY_MODEL, tiny_resources
+from tests.fixtures.lineage_audit import assert_manifest_names_exactly_the_tables_read
 
 REPO = Path(__file__).resolve().parents[2]
 SFT_CONFIG = {
@@ -196,3 +197,53 @@ def test_a_report_scores_the_version_trained_on_even_after_the_table_is_remateri
     after = {row["metric"]: row for row in pq.read_table(path).to_pylist()}
     assert {m: (r["n"], r["checkpoint"], r["base"]) for m, r in after.items()} == {
         m: (r["n"], r["checkpoint"], r["base"]) for m, r in before.items()}  # the same held-out rows, not the new table's
+
+
+def test_every_manifest_names_exactly_the_tables_it_read(rl_run):
+    for manifest in _rl_manifests(rl_run):
+        assert_manifest_names_exactly_the_tables_read(rl_run.defs, manifest)
+
+
+GSM8K_ROWS = [  # the real GSM8K schema: a worked solution ending in '#### <answer>'
+    {"question": f"Tom has {i} apples and buys {i + 3} more. How many apples does he have?",
+     "answer": f"Tom has {i} + {i + 3} = <<{i}+{i + 3}={2 * i + 3}>>{2 * i + 3} apples.\n#### {2 * i + 3}"}
+    for i in range(1, 33)
+]
+
+
+@pytest.mark.slow
+def test_rl_on_a_gsm8k_format_table_is_judged_on_its_held_out_rows_and_its_lineage_json_names_it(rl_run, tmp_path):
+    """rl_problems from a local copy of GSM8K (source gsm8k + path: the preset's mapping on the real schema) → rl_chain
+    → the eval report scores the held-out rows of exactly that version; `lineage --json` names it and the report."""
+    import json
+
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in GSM8K_ROWS))
+    problems = {"source": "gsm8k", "path": str(path), "heldout_fraction": 0.25}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in rl_run.env.items():
+            patch.setenv(name, value)
+        chain = rl_run.defs.resolve_job_def("rl_chain").execute_in_process(instance=rl_run.instance, run_config={
+            "ops": {"rl_problems": {"config": problems}, "rl_checkpoint": {"config": {**RL_TRAINING_CONFIG, "max_steps": 1, "save_every": 0}}}})
+        (final,) = [m for m in all_manifests() if m.training_dagster_run_id == chain.run_id]
+        evaluation = rl_run.defs.resolve_job_def("rl_eval").execute_in_process(
+            instance=rl_run.instance, partition_key=final.partition, run_config=RL_EVAL_CONFIG)
+        lineage = subprocess.run([sys.executable, "-m", "pipelines", "lineage", final.partition, "--json"], cwd=REPO,
+                                 env={**os.environ, **rl_run.env}, capture_output=True, text=True, timeout=180)
+    trained = final.upstream["rl_problems"]
+    assert trained["metadata"]["source"] == "gsm8k"
+    assert trained["data_version"] == chain.asset_materializations_for_node("rl_problems")[0].tags["dagster/data_version"]
+    heldout = [r for r in pq.read_table(trained["metadata"]["parquet/version_path"]).to_pylist() if r["split"] == "heldout"]
+    assert heldout and all(r["question"].startswith("Tom has") for r in heldout)
+    assert _metadata(evaluation, "rl_eval_report")["data_versions"] == {"rl_problems": trained["data_version"]}
+    rows = {row["metric"]: row for row in pq.read_table(rl_run.state / "parquet" / "rl_eval_report" / f"{final.partition}.parquet").to_pylist()}
+    assert rows["accuracy"]["n"] == min(len(heldout), RL_EVAL_CONFIG["ops"]["rl_eval_report"]["config"]["max_problems"])
+    assert_manifest_names_exactly_the_tables_read(rl_run.defs, final)
+    assert lineage.returncode == 0, lineage.stderr
+    hop = json.loads(lineage.stdout)["hops"][0]
+    datasets = {entry["asset"]: entry for entry in hop["datasets"]}
+    assert set(datasets) == {"rl_problems"} and datasets["rl_problems"]["source"] == "gsm8k"
+    assert datasets["rl_problems"]["data_version"] == trained["data_version"]
+    assert datasets["rl_problems"]["rows"] == len(GSM8K_ROWS)
+    (report,) = [r for r in hop["eval_reports"] if r["run_id"] == evaluation.run_id]
+    assert report["data_versions"] == {"rl_problems": trained["data_version"]}

@@ -24,6 +24,7 @@ import pytest
 from assets.checkpoint_manifest import all_manifests, write_manifest
 from resources.state import STATE_DIR_ENV, ensure_dagster_home
 from tests.fixtures.dagster_env import TINY_MODEL, tiny_resources
+from tests.fixtures.lineage_audit import assert_manifest_names_exactly_the_tables_read
 from tests.fixtures.data import HUB_FIXTURES
 
 pytestmark = pytest.mark.slow  # three chained trainings on the tiny model: ~4 minutes on 2 cores
@@ -253,3 +254,10 @@ def test_comparisons_without_train_rows_are_refused_before_anything_is_stored_or
     assert "all 3 rows hash into the held-out split" in description and "lower heldout_fraction" in description
     assert len(rlhf_run.instance.fetch_materializations(key, limit=100).records) == stored
     assert rlhf_run.instance.get_dynamic_partitions("preference_model_checkpoints") == partitions
+
+
+def test_every_manifest_names_exactly_the_tables_it_read(rlhf_run):
+    manifests = [m for m in all_manifests() if m.recipe in ("preference_model", "rlhf")]
+    assert {m.recipe for m in manifests} == {"preference_model", "rlhf"}
+    for manifest in manifests:
+        assert_manifest_names_exactly_the_tables_read(rlhf_run.defs, manifest)

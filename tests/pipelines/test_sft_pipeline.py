@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 from mlflow.entities import RunStatus
 
 from assets.checkpoint_manifest import all_manifests
+from tests.fixtures.lineage_audit import assert_manifest_names_exactly_the_tables_read
 from resources.mlflow import TAG_ASSET_KEY, TAG_DAGSTER_RUN_ID, TAG_PARTITION
 
 
@@ -112,3 +113,10 @@ def test_training_lowers_held_out_nll_of_the_tiny_model(sft_pipeline_run):
     final = max((m for m in all_manifests() if m.training_dagster_run_id == sft_pipeline_run.chain.run_id), key=lambda m: m.step)
     row = _report_rows(sft_pipeline_run, final.partition)["nll"]
     assert row["checkpoint"] < row["base"] and row["vs_base"] == "better"
+
+
+def test_every_manifest_names_exactly_the_tables_it_read(sft_pipeline_run):
+    manifests = [m for m in all_manifests() if m.recipe == "sft"]
+    assert manifests
+    for manifest in manifests:
+        assert_manifest_names_exactly_the_tables_read(sft_pipeline_run.defs, manifest)
