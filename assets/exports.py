@@ -1,7 +1,7 @@
 """Exported models for every recipe, from one factory: ``<recipe>_export``, partitioned like ``<recipe>_checkpoints``.
 
 Materializing a checkpoint's partition (from the UI, or ``python -m pipelines export``, which runs the same
-``posttrain.export`` code) downloads it through the Tinker resource as a PEFT adapter, optionally merges it into
+``resources.hf_export`` code) downloads it through the Tinker resource as a PEFT adapter, optionally merges it into
 a plain Hugging Face model, verifies both against the server's ``compute_logprobs``, and attaches the files to
 the checkpoint's MLflow logged model (lineage tags kept) with the figures on its registered model version. The
 files live under ``<state>/exports/<partition>``; a re-materialization replaces them whole or not at all.
@@ -19,7 +19,7 @@ from assets.checkpoint_manifest import read_manifest
 from assets.registration import checkpoints_asset_key
 from assets.training import TINKER_POOL, TrainingSpec
 from posttrain.export.adapter import ExportError
-from posttrain.export.run import export_checkpoint
+from resources.hf_export.export import export_checkpoint
 from resources.mlflow import MlflowResource, metric_name
 from resources.models import tokenizer_path
 from resources.state import state_subdir

@@ -12,7 +12,7 @@ from pathlib import Path
 import tinker
 
 from posttrain.export.adapter import ExportError
-from posttrain.export.run import export_checkpoint
+from resources.hf_export.export import export_checkpoint
 from resources.mlflow import MlflowResource
 from resources.models import tokenizer_path
 from resources.tinker import TinkerResource

@@ -3,6 +3,8 @@ vs ``SamplingClient.compute_logprobs`` on the checkpoint; the largest absolute d
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import numpy as np
 import tinker
 import torch
@@ -17,6 +19,7 @@ VERIFY_PROMPTS = (
 
 
 def prompt_tokens(tokenizer) -> list[list[int]]:
+    """The prompts rendered with the tokenizer's chat template (a transformers tokenizer, duck-typed)."""
     rendered = []
     for prompt in VERIFY_PROMPTS:
         if getattr(tokenizer, "chat_template", None):
@@ -28,9 +31,15 @@ def prompt_tokens(tokenizer) -> list[list[int]]:
     return rendered
 
 
-def server_logprobs(sampler: tinker.SamplingClient, prompts: list[list[int]]) -> list[np.ndarray]:
-    futures = [sampler.compute_logprobs(types.ModelInput.from_ints(p)) for p in prompts]
-    return [np.array(f.result()[1:], dtype=np.float64) for f in futures]
+class ServerLogprobs:
+    """The server's prompt logprobs, requested at once and collected later: the exporter loads its own models
+    while the server answers."""
+
+    def __init__(self, sampler: tinker.SamplingClient, prompts: list[list[int]]) -> None:
+        self._futures: list[Future] = [sampler.compute_logprobs(types.ModelInput.from_ints(p)) for p in prompts]
+
+    def result(self) -> list[np.ndarray]:
+        return [np.array(f.result()[1:], dtype=np.float64) for f in self._futures]
 
 
 def model_logprobs(model: torch.nn.Module, prompts: list[list[int]]) -> list[np.ndarray]:

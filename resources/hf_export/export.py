@@ -1,7 +1,10 @@
-"""One export, start to finish: adapter, optional merged model, verification, model card; all or nothing.
+"""One export, start to finish: adapter, optional merged model and GGUF, verification, model card; all or nothing.
 
 Everything is written into a hidden sibling of the target directory and renamed into place at the end, so a
 failure (a missing checkpoint, another base model, a full disk, a dropped download) leaves no export behind.
+The base model is loaded once: it carries the PEFT adapter for the adapter's check, then (the adapter's layers
+removed) takes the merge in place and is saved as the merged model. The server's logprobs are requested
+first, so the server computes them while the exporter downloads and loads.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from typing import Any
 import tinker
 import torch
 
-from .adapter import ExportError, adapter_base_model, checkpoint_kind, download_adapter
+from posttrain.export.adapter import ExportError, adapter_base_model, checkpoint_kind, download_adapter
+from posttrain.export.verify import ServerLogprobs, max_gap, model_logprobs, prompt_tokens
+
 from .gguf_file import write_gguf
-from .merge import merge_adapter
-from .verify import max_gap, model_logprobs, prompt_tokens, server_logprobs
+from .merge import merge_into
 
 ADAPTER_TOLERANCE = 1e-4  # float32 server: max |Δ logprob| of the PEFT adapter in plain transformers
 MERGED_TOLERANCE = 1e-3  # the merged weights round once more (the GGUF file holds the same float32 tensors)
@@ -81,52 +85,76 @@ def _export_into(service, rest, path, staging, base_model, base_source, merged, 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    started = time.perf_counter()
+    started = tick = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(base_source)
+    prompts = prompt_tokens(tokenizer)
+    expected = None
+    if checkpoint_kind(path) == "training":  # an external export has no sampler to compare with
+        try:
+            expected = ServerLogprobs(service.create_sampling_client(model_path=path).result(), prompts)
+        except tinker.APIStatusError as error:
+            raise ExportError(f"cannot load {path}: {error.message}. `tinker checkpoint list` shows the known checkpoints") from error
+        report.verified_tokens = sum(len(p) - 1 for p in prompts)
     adapter_dir = staging / "adapter"
     adapter_dir.mkdir()
     download_adapter(service, rest, path, adapter_dir)
     trained_on = adapter_base_model(adapter_dir)
     if trained_on and trained_on != base_model:
         raise ExportError(f"{path} was trained on {trained_on!r}, not {base_model!r}; export it with its own base model")
-    report.seconds["download"] = time.perf_counter() - started
+    tick = _timed(report, "download", tick)
 
-    tick = time.perf_counter()
-    prompts = prompt_tokens(AutoTokenizer.from_pretrained(base_source))
-    verifiable = checkpoint_kind(path) == "training"  # an external export has no sampler to compare with
-    expected = server_logprobs(service.create_sampling_client(model_path=path).result(), prompts) if verifiable else None
-    report.verified_tokens = sum(len(p) - 1 for p in prompts) if verifiable else 0
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_source, dtype=torch.float32), str(adapter_dir))
-    if expected is not None:
-        report.adapter_max_abs_logprob_diff = max_gap(model_logprobs(model.eval(), prompts), expected)
-    del model
-    gc.collect()
-    report.seconds["verify_adapter"] = time.perf_counter() - tick
-
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_source, dtype=torch.float32), str(adapter_dir)).eval()
+    tick = _timed(report, "load", tick)
+    server = expected.result() if expected is not None else None
+    if server is not None:
+        report.adapter_max_abs_logprob_diff = max_gap(model_logprobs(model, prompts), server)
+    tick = _timed(report, "verify_adapter", tick)
     if merged:
-        tick = time.perf_counter()
-        merge_adapter(base_source, adapter_dir, staging / "merged")
-        report.seconds["merge"] = time.perf_counter() - tick
-        tick = time.perf_counter()
-        if expected is not None:
-            model = AutoModelForCausalLM.from_pretrained(staging / "merged", dtype=torch.float32).eval()
-            report.merged_max_abs_logprob_diff = max_gap(model_logprobs(model, prompts), expected)
-            del model
-            gc.collect()
-        report.seconds["verify_merged"] = time.perf_counter() - tick
-    if gguf:
-        tick = time.perf_counter()
-        (staging / "gguf").mkdir()
-        write_gguf(staging / "merged", staging / "gguf" / GGUF_FILE)
-        report.seconds["gguf"] = time.perf_counter() - tick
-        if expected is not None:  # loaded back by transformers: the check that the file is what we meant
-            model = AutoModelForCausalLM.from_pretrained(staging / "gguf", gguf_file=GGUF_FILE, dtype=torch.float32).eval()
-            report.gguf_max_abs_logprob_diff = max_gap(model_logprobs(model, prompts), expected)
-            del model
-            gc.collect()
+        base = model.unload()  # the base model again: the adapter's layers removed, its weights untouched
+        del model
+        merge_into(base, adapter_dir, base_source)
+        base.save_pretrained(staging / "merged", safe_serialization=True)
+        tokenizer.save_pretrained(staging / "merged")  # tokenizer files and its chat template
+        del base
+        gc.collect()
+        tick = _timed(report, "merge", tick)
+        _verify_merged_files(prompts, server, staging, gguf, report, tick)
     report.seconds["total"] = time.perf_counter() - started
     report.within_tolerance = (report.adapter_max_abs_logprob_diff or 0.0) <= ADAPTER_TOLERANCE and max(
         report.merged_max_abs_logprob_diff or 0.0, report.gguf_max_abs_logprob_diff or 0.0
     ) <= MERGED_TOLERANCE
+
+
+def _verify_merged_files(prompts, server, staging: Path, gguf: bool, report: ExportReport, tick: float) -> None:
+    """The merged model (and the GGUF file written from it) loaded back from disk and checked."""
+    if server is not None:
+        report.merged_max_abs_logprob_diff = _loaded_gap(prompts, server, staging / "merged")
+    tick = _timed(report, "verify_merged", tick)
+    if gguf:
+        (staging / "gguf").mkdir()
+        write_gguf(staging / "merged", staging / "gguf" / GGUF_FILE)
+        tick = _timed(report, "gguf", tick)
+        if server is not None:  # read back by transformers: the check that the file holds what we meant
+            report.gguf_max_abs_logprob_diff = _loaded_gap(prompts, server, staging / "gguf", gguf_file=GGUF_FILE)
+        _timed(report, "verify_gguf", tick)
+
+
+def _timed(report: ExportReport, phase: str, since: float) -> float:
+    now = time.perf_counter()
+    report.seconds[phase] = now - since
+    return now
+
+
+def _loaded_gap(prompts: list[list[int]], server: list, directory: Path, **kwargs: Any) -> float:
+    """The largest logprob gap of the model in ``directory``, loaded as a user would (transformers alone)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kwargs).eval()
+    try:
+        return max_gap(model_logprobs(model, prompts), server)
+    finally:
+        del model
+        gc.collect()
 
 
 def model_card(report: ExportReport, card: dict[str, Any]) -> str:

@@ -14,9 +14,10 @@ from tinker import types
 from localtinker.engine.models import tiny_random_dir
 from localtinker.server import RunningServer
 from posttrain.export.adapter import ExportError
-from posttrain.export.run import ADAPTER_TOLERANCE, MERGED_TOLERANCE, export_checkpoint
+from resources.hf_export.export import ADAPTER_TOLERANCE, MERGED_TOLERANCE, export_checkpoint
 from tests.fixtures.server import LOCAL_API_KEY, TINY_MODEL
 
+REPO = Path(__file__).resolve().parents[3]
 TOKENS = [1, 33, 4096, 17, 900, 2, 77, 31000]
 
 
@@ -93,10 +94,10 @@ def test_pipelines_export_cli(tinker_server: RunningServer, trained, tmp_path: P
            "POSTTRAIN_STATE_DIR": str(tmp_path / "state"), "DAGSTER_HOME": str(tmp_path / "state" / "dagster")}
     out = tmp_path / "exported"
     run = subprocess.run([sys.executable, "-m", "pipelines", "export", state, "--out", str(out), "--merged"],
-                         env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[3])
+                         env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)
     assert report["within_tolerance"] and (out / "merged" / "config.json").is_file()
     missing = subprocess.run([sys.executable, "-m", "pipelines", "export", "tinker://nowhere:train:0/weights/x", "--out", str(tmp_path / "no")],
-                             env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[3])
+                             env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert missing.returncode == 2 and "cannot load tinker://nowhere" in missing.stderr and not (tmp_path / "no").exists()

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from .adapter import ExportError
+from posttrain.export.adapter import ExportError
 
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -64,9 +64,9 @@ def write_gguf(model_dir: Path, target: Path) -> None:
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    writer.add_rope_freq_base(_rope_theta(config, model_dir))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
-    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     _add_tokenizer(writer, model_dir, config)
@@ -85,6 +85,16 @@ def write_gguf(model_dir: Path, target: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _rope_theta(config: dict, model_dir: Path) -> float:
+    """The rotary base: transformers 5 keeps it in ``rope_parameters`` (older configs at the top level); only
+    unscaled rotary embeddings have a GGUF form here, so a scaled one is refused rather than written wrong."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind != "default":
+        raise ExportError(f"GGUF export writes unscaled rotary embeddings; {model_dir} uses rope_type {kind!r}")
+    return float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
 
 
 def _add_tokenizer(writer, model_dir: Path, config: dict) -> None:
