@@ -8,7 +8,8 @@ model's sums ``ref``, the implicit reward of a side is ``β·(lp − ref)``, and
 
 so a freshly initialised policy (lp = ref) has loss ln 2 whatever the data. Metrics (means over pairs):
 ``dpo_loss``, ``accuracy`` (fraction of pairs whose chosen side's log-ratio beats the rejected one's by more
-than :data:`TIE_NATS`, float noise: the same weights scored by two code paths, a sampler's and a trainer's,
+than :data:`TIE_NATS`, a tie counting ½ — a policy that cannot tell the sides apart is at chance, not wrong; ties are
+float noise: the same weights scored by two code paths, a sampler's and a trainer's,
 differ by ~1e-5 per token, so a policy equal to its reference would otherwise rank pairs at random),
 ``margin`` (chosen − rejected reward), ``chosen_reward``, ``rejected_reward``.
 
@@ -30,6 +31,13 @@ import torch.nn.functional as F
 TIE_NATS = 1e-3
 
 DpoLossFn = Callable[[list[tinker.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+
+
+def pair_credit(margin_P: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per pair: 1 if the chosen side wins by more than a tie, ½ for a tie (chance), 0 if it loses."""
+    tie = beta * TIE_NATS
+    margin_P = margin_P.to(torch.float64)
+    return (margin_P > tie).to(torch.float64) + 0.5 * (margin_P.abs() <= tie).to(torch.float64)
 
 
 def weighted_logprob_sum(logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -57,7 +65,7 @@ def dpo_loss(
     loss = -F.logsigmoid(margin_P).mean()
     metrics = {
         "dpo_loss": float(loss.detach()),
-        "accuracy": float((margin_P.detach() > beta * TIE_NATS).to(torch.float64).mean()),
+        "accuracy": float(pair_credit(margin_P.detach(), beta).mean()),
         "margin": float(margin_P.detach().mean()),
         "chosen_reward": float(chosen_reward_P.detach().mean()),
         "rejected_reward": float(rejected_reward_P.detach().mean()),

@@ -26,7 +26,7 @@ from posttrain.eval.accuracy import AccuracyResult, ChatRenderer, TaskProblem, e
 from posttrain.eval.base import EvalTarget
 from posttrain.eval.nll import target_logprobs
 from posttrain.preference.data import Pair
-from posttrain.preference.dpo import dpo_loss
+from posttrain.preference.dpo import dpo_loss, pair_credit
 from posttrain.preference.reference import ReferenceSums
 
 
@@ -79,14 +79,15 @@ class PairAccuracyEvaluator:
 
     def score_items(self, target: EvalTarget) -> dict[str, dict[str, float]]:
         """Per held-out pair (keyed by its row id), under the DPO implicit reward r = β·(lp − lp_ref):
-        ``pair_accuracy`` (r_chosen > r_rejected), ``margin`` (r_chosen − r_rejected) and ``dpo_loss``."""
+        ``pair_accuracy`` (1 if r_chosen > r_rejected beyond a tie, ½ for a tie), ``margin`` (r_chosen − r_rejected) and ``dpo_loss``."""
         reference = self._load_reference()
         chosen, rejected = self._policy_sums(target)
         chosen_ref, rejected_ref = reference.for_rows([pair.row_id for pair in self.pairs])
         margins = [self.beta * ((c - cr) - (r - rr)) for c, r, cr, rr in zip(chosen, rejected, chosen_ref, rejected_ref)]
         keys = [pair.row_id for pair in self.pairs]  # pairs carry tokens, not prompt text; row ids are stable per version
+        credit = pair_credit(torch.tensor(margins, dtype=torch.float64), self.beta).tolist()
         return {
-            f"{self.prefix}pair_accuracy": {k: float(m > 0) for k, m in zip(keys, margins)},
+            f"{self.prefix}pair_accuracy": dict(zip(keys, credit)),
             f"{self.prefix}margin": dict(zip(keys, margins)),
             f"{self.prefix}dpo_loss": {k: float(np.logaddexp(0.0, -m)) for k, m in zip(keys, margins)},
         }

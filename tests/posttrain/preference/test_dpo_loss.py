@@ -17,13 +17,15 @@ def test_loss_is_ln2_when_policy_equals_reference():
     loss, metrics = dpo_loss(_t(-5.0, -7.0), _t(-6.0, -2.0), _t(-5.0, -7.0), _t(-6.0, -2.0), beta=0.1)
     assert loss.item() == pytest.approx(math.log(2), abs=1e-12)
     assert metrics["dpo_loss"] == pytest.approx(0.693147, abs=1e-6)
-    assert metrics["accuracy"] == 0.0  # a tie is not a correct ranking
+    assert metrics["accuracy"] == 0.5  # a tie is chance: neither a correct nor a wrong ranking
     assert metrics["margin"] == 0.0 and metrics["chosen_reward"] == 0.0 and metrics["rejected_reward"] == 0.0
 
 
 def test_a_gap_within_float_noise_is_a_tie():
-    """Policy = reference scored by two code paths differs by ~1e-5 per token: not a correct ranking."""
+    """Policy = reference scored by two code paths differs by ~1e-5 per token: a tie (½), not a ranking."""
     _, metrics = dpo_loss(_t(-5.0 + 2e-4, -7.0), _t(-6.0, -2.0), _t(-5.0, -7.0), _t(-6.0, -2.0 + 3e-4), beta=0.1)
+    assert metrics["accuracy"] == 0.5
+    _, metrics = dpo_loss(_t(-5.0 - 2e-3), _t(-6.0), _t(-5.0), _t(-6.0), beta=0.1)
     assert metrics["accuracy"] == 0.0
     _, metrics = dpo_loss(_t(-5.0 + 2e-3), _t(-6.0), _t(-5.0), _t(-6.0), beta=0.1)
     assert metrics["accuracy"] == 1.0
@@ -77,7 +79,7 @@ def test_custom_loss_fn_sums_weighted_tokens_and_pairs_datums_in_order():
     loss.backward()
     assert logprobs[0].grad.tolist() == pytest.approx([0.0, -0.125, -0.125])  # -β σ(0) / 2 pairs on weighted tokens
     assert logprobs[1].grad.tolist() == pytest.approx([0.0, 0.0, 0.125])
-    assert metrics["accuracy"] == 0.0
+    assert metrics["accuracy"] == 0.5  # two ties
 
 
 def test_custom_loss_fn_rejects_a_batch_that_is_not_pairs():

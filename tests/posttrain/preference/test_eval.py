@@ -30,7 +30,9 @@ def test_pair_accuracy_at_init_is_a_tie_against_the_reference(service_client):
     metrics = PairAccuracyEvaluator(pairs, reference, beta=0.1, prefix="heldout/")(EvalTarget(training_client=training_client))
     assert metrics["heldout/dpo_loss"] == pytest.approx(math.log(2), abs=1e-4)
     assert metrics["heldout/margin"] == pytest.approx(0.0, abs=1e-3)
-    assert metrics["heldout/pair_accuracy"] == 0.0  # margins are 0 up to float noise: ties, not wins
+    assert metrics["heldout/pair_accuracy"] == 0.5  # margins are 0 up to float noise: ties, chance
+    items = PairAccuracyEvaluator(pairs, reference, beta=0.1, prefix="heldout/").score_items(EvalTarget(training_client=training_client))
+    assert set(items["heldout/pair_accuracy"].values()) == {0.5}  # per pair, as the report pairs them
     assert metrics["heldout/num_pairs"] == 3.0
 
 
