@@ -129,11 +129,11 @@ class PairwisePreferenceGroupBuilder(EnvGroupBuilder):
         for (i, j), verdict in zip(pairs, verdicts):
             envs[i].pairwise.append({"opponent": j, "win": round(verdict.first_wins, 6)})  # type: ignore[attr-defined]
             envs[j].pairwise.append({"opponent": i, "win": round(verdict.second_wins, 6)})  # type: ignore[attr-defined]
-        biases = [verdict.position_bias for verdict in verdicts if verdict.swapped is not None]
-        group_metrics: Metrics = {"comparisons": float(len(pairs))}
-        if biases:
-            group_metrics["position_bias"] = sum(biases) / len(biases)
-            group_metrics["orders_agree"] = sum(bool(v.orders_agree) for v in verdicts) / len(verdicts)
+        both = [verdict for verdict in verdicts if verdict.swapped is not None]
+        group_metrics: Metrics = {"comparisons": float(len(pairs)), "identical_pairs": sum(v.identical for v in verdicts) / len(verdicts)}
+        if both:
+            group_metrics["position_bias"] = sum(v.position_bias for v in both) / len(both)
+            group_metrics["orders_agree"] = sum(bool(v.orders_agree) for v in both) / len(both)
         results = []
         for env, win in zip(envs, wins):
             format_penalty = self.settings.format_coef * (float(env.well_formed) - 1.0)  # type: ignore[attr-defined]

@@ -17,6 +17,10 @@ the two verdicts are averaged, which cancels a preference for a position. Per or
 - ``orders_agree`` — the label it would pick is the same completion in both orders.
 
 ``second_wins = (1 + score) / 2`` = P(B better) + ½ P(tie) is what a tournament counts as B's win.
+
+Identical completions are a tie without asking the model (``identical=True``, score 0): in both orders the
+comparison is the same text, so the averaged score is exactly 0 anyway. A policy's samples and a policy and
+its parent often answer alike, so this saves most of the judging in tournaments and win-rate evals.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class PairVerdict:
     orders_agree: bool | None  # None when judged in one order
     forward: LabelProbabilities
     swapped: LabelProbabilities | None
+    identical: bool = False  # the two completions are the same text: a tie, not judged
 
     @property
     def second_wins(self) -> float:
@@ -95,14 +100,19 @@ def combine_orders(forward: LabelProbabilities, swapped: LabelProbabilities | No
     )
 
 
-class PendingVerdict:
-    """The compute_logprobs requests of one comparison (one per label and order), in flight."""
+TIE = PairVerdict(0.0, math.nan, None, LabelProbabilities(0.5, 0.5, 0.0), None, identical=True)
 
-    def __init__(self, forward: dict[str, object], swapped: dict[str, object] | None):
+
+class PendingVerdict:
+    """The compute_logprobs requests of one comparison (one per label and order), in flight; none for a tie."""
+
+    def __init__(self, forward: dict[str, object] | None, swapped: dict[str, object] | None):
         self._forward = forward
         self._swapped = swapped
 
     def result(self) -> PairVerdict:
+        if self._forward is None:
+            return TIE
         return combine_orders(_probabilities(self._forward), _probabilities(self._swapped) if self._swapped else None)
 
 
@@ -143,6 +153,8 @@ class PreferenceModel:
         return {label: self.sampling_client.compute_logprobs(scoring.sequence(label), prompt_logprobs_last_n=1) for label in self.labels}
 
     def submit(self, comparison: Comparison) -> PendingVerdict:
+        if comparison.completion_a == comparison.completion_b:
+            return PendingVerdict(None, None)
         swapped = self._submit_order(comparison.swap()) if self.orders == "both" else None
         return PendingVerdict(self._submit_order(comparison), swapped)
 

@@ -45,11 +45,13 @@ class RLRecipe:
     def start(self, training_client: tinker.TrainingClient, service_client: tinker.ServiceClient, start_step: int) -> None:
         if self.tokenizer is None:
             self.tokenizer = training_client.get_tokenizer()
-        reference = None
-        if self.config.kl_penalty_coef > 0:
-            reference = service_client.create_sampling_client(base_model=self.config.training.base_model).result()
+        reference = self.kl_reference(service_client) if self.config.kl_penalty_coef > 0 else None
         self._driver = DRIVERS[self.config.mode](self.config, self.dataset, self._decode, reference)
         self._driver.start(training_client, start_step)
+
+    def kl_reference(self, service_client: tinker.ServiceClient) -> tinker.SamplingClient:
+        """The policy the KL penalty measures divergence from: the base model (a recipe may name another)."""
+        return service_client.create_sampling_client(base_model=self.config.training.base_model).result()
 
     def submit_step(self, step: int, training_client: tinker.TrainingClient, adam: tinker.AdamParams) -> PendingStep:
         if self._driver is None:

@@ -54,6 +54,7 @@ def test_each_sample_is_rewarded_with_its_win_fraction():
     assert len(judge.calls) == 6  # one way: 4·3/2 comparisons
     assert all(metrics["win_fraction"] == reward for reward, metrics in rewards)
     assert rewards[0][1]["position_bias"] == 0.0 and rewards[0][1]["orders_agree"] == 1.0
+    assert rewards[0][1]["identical_pairs"] == 0.0  # ShorterIsBetter judges every pair, the two "bbb" included
     scores = json.loads(logs[0]["pairwise_scores"])
     assert scores == [{"opponent": 1, "win": 1.0}, {"opponent": 2, "win": 1.0}, {"opponent": 3, "win": 1.0}]
 

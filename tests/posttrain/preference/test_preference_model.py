@@ -47,7 +47,21 @@ def test_a_real_model_scores_with_its_label_token_probabilities(service_client):
     probs /= probs.sum()
     assert (verdict.forward.first, verdict.forward.second, verdict.forward.tie) == pytest.approx(tuple(probs), abs=1e-5)
     assert verdict.forward.first + verdict.forward.second + verdict.forward.tie == pytest.approx(1.0)
-    assert same.score == pytest.approx(0.0, abs=1e-6)  # identical completions: both orders are the same text
-    assert same.position_bias == pytest.approx(same.forward.score, abs=1e-6)
+    assert same.identical and same.score == 0.0 and same.second_wins == 0.5  # identical completions: a tie, not judged
+    assert not verdict.identical
     one_way = PreferenceModel(sampler, renderer, orders="one").judge([comparison])[0]
     assert one_way.swapped is None and one_way.score == pytest.approx(verdict.forward.score, abs=1e-6)
+
+
+class NoSampler:
+    def compute_logprobs(self, *args, **kwargs):
+        raise AssertionError("identical completions must not be sent to the preference model")
+
+
+@pytest.mark.parametrize("orders", ["both", "one"])
+def test_identical_completions_tie_without_a_request_in_either_order_mode(orders):
+    renderer = ComparisonRenderer(get_renderer("chatml", tiny_tokenizer()))
+    answer = [{"role": "assistant", "content": "7"}]
+    (verdict,) = PreferenceModel(NoSampler(), renderer, orders=orders).judge([Comparison([{"role": "user", "content": "3 + 4?"}], answer, list(answer))])
+    assert verdict.identical and verdict.first_wins == verdict.second_wins == 0.5
+    assert math.isnan(verdict.position_bias) and verdict.orders_agree is None and verdict.swapped is None

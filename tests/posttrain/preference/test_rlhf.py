@@ -32,7 +32,7 @@ def test_a_preference_model_trains_then_judges_rlhf_groups_whose_rows_carry_pair
     assert 0.0 <= pm.final_metrics["eval/orders_agree"] <= 1.0
 
     config = RLHFConfig(training=training(tmp_path, "rlhf", max_steps=1), group_size=3, groups_per_batch=2, max_tokens=4,
-                        loss_fn="ppo", kl_penalty_coef=0.01, remove_constant_reward_groups=False)
+                        loss_fn="ppo", kl_penalty_coef=0.01, kl_reference="base", remove_constant_reward_groups=False)
     config.validate()
     dataset = PreferenceDataset(prompts_from_comparisons(table), renderer.renderer, group_size=3, groups_per_batch=2,
                                 settings=TournamentSettings(config.tournament, config.tournament_chunk_size, config.format_coef))
@@ -59,3 +59,28 @@ def test_rlhf_refuses_a_judge_that_is_not_a_tinker_path_and_a_bad_tournament(tmp
         RLHFRecipe(RLHFConfig(training=training(tmp_path, "y")), dataset, renderer, "latest:preference_model")
     with pytest.raises(ValueError, match="no comparisons"):
         PreferenceModelRecipe(PreferenceModelConfig(training=training(tmp_path, "z")), [], renderer)
+
+
+class RecordingService:
+    """Records which sampler a recipe asks for (the test is about the choice, not about sampling)."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def create_sampling_client(self, **kwargs):
+        self.calls.append(kwargs)
+        return type("Done", (), {"result": lambda _self: kwargs})()
+
+
+def test_the_kl_penalty_is_measured_from_the_parent_unless_base_is_asked_for(tmp_path):
+    renderer = ComparisonRenderer(get_renderer("chatml", tiny_tokenizer()))
+    dataset = PreferenceDataset(prompts_from_comparisons(comparisons_table(4)), renderer.renderer, group_size=2, groups_per_batch=1)
+    judge, parent = "tinker://pm/sampler_weights/1", "tinker://sft/sampler_weights/40"
+    with pytest.raises(ValueError, match="kl_reference='parent' needs the parent"):
+        RLHFRecipe(RLHFConfig(training=training(tmp_path, "a"), kl_penalty_coef=0.05), dataset, renderer, judge)
+    service = RecordingService()
+    recipe = RLHFRecipe(RLHFConfig(training=training(tmp_path, "b"), kl_penalty_coef=0.05), dataset, renderer, judge, None, parent)
+    assert recipe.kl_reference(service) == {"model_path": parent} and recipe.identity()["kl_reference"] == parent
+    base = RLHFRecipe(RLHFConfig(training=training(tmp_path, "c"), kl_penalty_coef=0.05, kl_reference="base"), dataset, renderer, judge)
+    assert base.kl_reference(service) == {"base_model": TINY_MODEL} and base.identity()["kl_reference"] == "base"
+    assert any("kl_reference 'sft'" in p for p in RLHFConfig(training=training(tmp_path, "d"), kl_reference="sft").problems())
