@@ -2,7 +2,8 @@
 
 `RLProblem.grade(answer)` scores an extracted final answer with the row's own scorer:
 "reasoning_gym:<task>" uses that task's `score_answer` (1.0 = correct, small credit for a well-formed
-wrong answer on some tasks); "exact_number" compares the last number; "exact_match" compares text.
+wrong answer on some tasks); "exact_number" compares values with math-verify (`1,000` = `1000.0`,
+`3/4` = `0.75`); "exact_match" compares text.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from posttrain.datasets.mapping import final_number
+from posttrain.eval.math_answers import same_value
 
 REASONING_GYM_SCORER = "reasoning_gym:"
 
@@ -25,7 +26,7 @@ def score_problem(scorer: str, metadata_json: str, gold: str, answer: str) -> fl
 
         return score(scorer.removeprefix(REASONING_GYM_SCORER), answer, json.loads(metadata_json))
     if scorer == "exact_number":
-        return 1.0 if final_number(answer) == gold else 0.0
+        return 1.0 if same_value(answer, gold) else 0.0
     if scorer == "exact_match":
         return 1.0 if answer.strip() == gold.strip() else 0.0
     raise ValueError(f"unknown scorer {scorer!r}; expected reasoning_gym:<task>, exact_number or exact_match")

@@ -24,8 +24,9 @@ from posttrain.completers import ChatRenderer, MessageCompleter, SamplingSetting
 from posttrain.datasets.problems import RLProblem
 from posttrain.datasets.schemas import HELDOUT_SPLIT
 from posttrain.eval.accuracy import TaskProblem, evaluate_accuracy, problem_keys
-from posttrain.eval.answers import answers_match, extract_answer
+from posttrain.eval.answers import extract_answer
 from posttrain.eval.base import EvalTarget
+from posttrain.eval.math_answers import same_value
 from posttrain.supervised.config import SupervisedConfig
 from posttrain.supervised.data import LossReduction
 from posttrain.supervised.recipe import SupervisedRecipe
@@ -92,7 +93,7 @@ def same_answer(student_extracted: str | None, problem: TaskProblem) -> float:
     teacher = extract_answer(problem.answer)
     if teacher is None:
         return 1.0 if student_extracted is None else 0.0
-    return 1.0 if answers_match(student_extracted, teacher) else 0.0
+    return 1.0 if same_value(student_extracted, teacher) else 0.0
 
 
 class AgreementEvaluator:

@@ -7,8 +7,9 @@ full results (per-example rows) for eval reports.
 """
 
 from posttrain.eval.accuracy import AccuracyEvaluator, AccuracyResult, SampleGrade, TaskProblem, evaluate_accuracy, problems_from_table
-from posttrain.eval.answers import answers_match, extract_answer
+from posttrain.eval.answers import extract_answer
 from posttrain.eval.base import EvalTarget, Evaluator, run_evaluators
+from posttrain.eval.math_answers import grade_math, same_value
 from posttrain.eval.nll import NllEvaluator, NllResult, evaluate_nll
 
 __all__ = [
@@ -20,10 +21,11 @@ __all__ = [
     "NllResult",
     "SampleGrade",
     "TaskProblem",
-    "answers_match",
     "evaluate_accuracy",
     "evaluate_nll",
     "extract_answer",
+    "grade_math",
     "problems_from_table",
     "run_evaluators",
+    "same_value",
 ]

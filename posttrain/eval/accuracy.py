@@ -5,7 +5,7 @@ with the renderer's generation prompt, samples with the renderer's stop sequence
 at its end-of-turn, not at ``max_tokens``) and parses the tokens back into an assistant message; we extract the final
 answer (``posttrain.eval.answers.extract_answer``) and grade it: with the problem's own scorer when it
 names one (``reasoning_gym:<task>``, ``exact_number``... via ``posttrain.datasets.problems``),
-else by :func:`~posttrain.eval.answers.answers_match` against the gold answer.
+else by :func:`~posttrain.eval.math_answers.same_value` (math-verify) against the gold answer.
 
 Every request is submitted before any result is awaited. Greedy by default (``top_k=1``, which every
 Tinker backend honours) so an eval report is reproducible.
@@ -17,9 +17,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from posttrain.completers import ChatRenderer, MessageCompleter, SamplingSettings, TokenCompleter
-from posttrain.eval.answers import answers_match, extract_answer
+from posttrain.eval.answers import extract_answer
 from posttrain.eval.base import EvalTarget
 from posttrain.eval.items import unique_keys
+from posttrain.eval.math_answers import same_value
 
 CORRECT_SCORE = 0.99
 
@@ -30,7 +31,7 @@ class TaskProblem:
     answer: str
     row_id: str = ""
     system: str | None = None
-    scorer: str | None = None  # e.g. "reasoning_gym:basic_arithmetic"; None = answers_match
+    scorer: str | None = None  # e.g. "reasoning_gym:basic_arithmetic"; None = same_value (math-verify)
     scorer_metadata: str = "{}"
 
 
@@ -87,12 +88,12 @@ class AccuracyResult:
 
 
 def default_grade(extracted: str | None, problem: TaskProblem) -> float:
-    """The problem's own scorer when it names one, else numeric/text match with the gold answer."""
+    """The problem's own scorer when it names one, else math-verify's equality with the gold answer."""
     if problem.scorer:
         from posttrain.datasets.problems import score_problem
 
         return float(score_problem(problem.scorer, problem.scorer_metadata, problem.answer, extracted or ""))
-    return 1.0 if answers_match(extracted, problem.answer) else 0.0
+    return 1.0 if same_value(extracted, problem.answer) else 0.0
 
 
 def evaluate_accuracy(

@@ -1,9 +1,10 @@
-"""Pulling a final answer out of a model's response, and comparing it with a gold answer.
+"""Pulling a final answer out of a model's response, as the string a problem's scorer grades.
 
 Order of preference, so an explicit answer beats an incidental number: the last ``\\boxed{...}``
 (balanced braces), then text after the last ``####`` (GSM8K), then after the last "answer is" /
-"Answer:", and finally the last number anywhere. Numbers compare numerically (``1,000`` = ``1000.0``
-= ``$1000``); anything else compares case-insensitively after trimming spaces and final punctuation.
+"Answer:", and finally the last number anywhere. Comparing it with a gold answer is math-verify's job
+(``posttrain.eval.math_answers.same_value``); a scorer that takes the answer as a string (reasoning-gym's
+own, the guess-the-number env's) gets exactly this text.
 """
 
 from __future__ import annotations
@@ -64,19 +65,5 @@ def to_number(text: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def answers_match(predicted: str | None, gold: str) -> bool:
-    """True when ``predicted`` states ``gold`` (numerically if both are numbers)."""
-    if predicted is None:
-        return False
-    predicted_number, gold_number = to_number(predicted), to_number(gold)
-    if predicted_number is not None and gold_number is not None:
-        return math.isclose(predicted_number, gold_number, rel_tol=1e-9, abs_tol=1e-9)
-    return _normalize_text(predicted) == _normalize_text(gold)
-
-
 def _clean_number(raw: str) -> str:
     return raw.replace(",", "").replace("$", "").rstrip(".")
-
-
-def _normalize_text(text: str) -> str:
-    return " ".join(text.strip().strip(".!").lower().split())

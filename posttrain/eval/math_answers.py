@@ -5,7 +5,12 @@ only it is graded (as LaTeX when it looks like math, else as text, so ``18 dolla
 number in the reasoning cannot count; otherwise math-verify extracts the
 final expression itself (the last ``\\boxed{}``, then the last LaTeX or plain expression).
 math-verify then compares *values*: ``1,000`` = ``1000``, ``\\frac{1}{2}`` = ``0.5``, ``x=3`` = ``3``,
-equal sets and intervals — which a regex over numbers cannot.
+equal sets and intervals — which a regex over numbers cannot. A word is no math (math-verify would read
+``Paris`` as the product of five symbols, equal to ``sirap``): a gold answer that is a word or phrase
+compares as text, case and final punctuation aside.
+
+:func:`same_value` compares an answer already extracted from a response (``posttrain.eval.answers``) with
+the gold answer the same way: the RL environments, eval reports and distillation agreement use it.
 
 math-verify bounds its sympy work with ``signal.alarm``, which only the main thread may use: off the
 main thread (a Dagster step thread, a worker) the bound is left off rather than crashing.
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 
 _ANSWER_LINE = re.compile(r"ANSWER\s*:\s*(.+)", re.IGNORECASE)
 _LATEX_HINT = re.compile(r"[\\{}()\[\]^]")  # LaTeX, tuples, intervals: read as math; "18 dollars" as text
+_WORDS = re.compile(r"[A-Za-z]{2,}(?:[\s'-]+[A-Za-z]+)*")  # a text answer ("Paris", "New York"): not math
 TIMEOUT_S = 5
 
 
@@ -42,6 +48,9 @@ def grade_math(response: str, gold: str) -> MathGrade:
 
     timeout = TIMEOUT_S if threading.current_thread() is threading.main_thread() else 0
     stated = answer_line(response)
+    if is_text_answer(gold):
+        said = stated if stated is not None else (response.strip().splitlines() or [""])[-1]
+        return MathGrade(_normalized_text(said) == _normalized_text(gold), said)
     if stated is None:
         predicted = parse(response, parsing_timeout=timeout)
     else:
@@ -52,6 +61,22 @@ def grade_math(response: str, gold: str) -> MathGrade:
         return MathGrade(False, str(predicted[-1]) if predicted else "")
     correct = bool(verify(expected, predicted, timeout_seconds=timeout or None))
     return MathGrade(correct, str(predicted[-1]))
+
+
+def same_value(predicted: str | None, gold: str) -> bool:
+    """Does the extracted answer ``predicted`` state ``gold``? (``1234.0`` = ``1,234``, ``3/4`` = ``0.75``;
+    words compare as text.) None — no answer was found — never does."""
+    if predicted is None or not predicted.strip():
+        return False
+    return grade_math(f"ANSWER: {predicted.strip()}", gold).correct
+
+
+def is_text_answer(answer: str) -> bool:
+    return _WORDS.fullmatch(answer.strip().rstrip(".!")) is not None
+
+
+def _normalized_text(text: str) -> str:
+    return " ".join(text.strip().strip(".!").lower().split())
 
 
 def _as_latex(answer: str) -> str:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from posttrain.completers import ChatRenderer, StopCondition, is_well_formed, message_text
 from posttrain.datasets.problems import RLProblem
-from posttrain.eval.answers import answers_match, extract_answer
+from posttrain.eval.answers import extract_answer
+from posttrain.eval.math_answers import same_value
 from posttrain.rl.types import Action, Env, EnvGroupBuilder, Observation, StepResult
 
 CORRECT_SCORE = 0.99
@@ -27,10 +28,10 @@ Grader = Callable[[str], float]
 
 
 def grader_for(problem: RLProblem) -> Grader:
-    """The row's own scorer when it names one, else a numeric/text match with the gold answer."""
+    """The row's own scorer when it names one, else math-verify's equality with the gold answer."""
     if problem.scorer:
         return problem.grade
-    return lambda answer: 1.0 if answers_match(answer, problem.answer) else 0.0
+    return lambda answer: 1.0 if same_value(answer, problem.answer) else 0.0
 
 
 class ProblemEnv(Env):

@@ -1,6 +1,6 @@
 import pytest
 
-from posttrain.eval.answers import answers_match, extract_answer, extract_boxed
+from posttrain.eval.answers import extract_answer, extract_boxed
 
 
 @pytest.mark.parametrize(
@@ -26,15 +26,6 @@ def test_extract_answer(response, expected):
 def test_boxed_with_nested_and_unbalanced_braces():
     assert extract_boxed("\\boxed{a{b}c}") == "a{b}c"
     assert extract_boxed("\\boxed{open") is None
-
-
-@pytest.mark.parametrize(
-    "predicted, gold, expected",
-    [("1234", "1,234", True), ("1234.0", "1234", True), ("5", "$5", True), ("41", "42", False),
-     ("paris", "Paris.", True), (None, "1", False), ("0.1", "0.10", True), ("London", "Paris", False)],
-)
-def test_answers_match(predicted, gold, expected):
-    assert answers_match(predicted, gold) is expected
 
 
 def test_default_grade_uses_the_problems_own_scorer_when_it_names_one():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from posttrain.eval.math_answers import answer_line, grade_math
+from posttrain.eval.math_answers import answer_line, grade_math, same_value
 
 
 @pytest.mark.parametrize(
@@ -48,3 +48,18 @@ def test_grading_off_the_main_thread_works_without_the_alarm_timeout() -> None:
 
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(grade_math, "ANSWER: 1/2", "0.5").result().correct
+
+
+@pytest.mark.parametrize(
+    "predicted, gold, expected",
+    [("1234", "1,234", True), ("1234.0", "1234", True), ("5", "$5", True), ("41", "42", False), ("3/4", "0.75", True),
+     ("x = 4", "4", True), ("paris", "Paris.", True), (None, "1", False), ("", "1", False), ("0.1", "0.10", True),
+     ("London", "Paris", False), ("Paris", "sirap", False)],  # math-verify alone reads a word as a product of symbols
+)
+def test_an_extracted_answer_has_the_gold_value(predicted, gold, expected) -> None:
+    assert same_value(predicted, gold) is expected
+
+
+def test_a_text_gold_answer_is_compared_as_text() -> None:
+    assert grade_math("I think so.\nANSWER: New York", "new york").correct
+    assert not grade_math("ANSWER: kroy wen", "New York").correct
