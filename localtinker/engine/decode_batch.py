@@ -233,6 +233,13 @@ class DecodeBatch:
             self._compact()
         return [(record.key, record.result()) for record in done]
 
+    def progress(self, key: Hashable) -> list[list[int]] | None:
+        """The tokens each sample of request ``key`` has so far (None: no row of it decodes here)."""
+        for row in self.rows:
+            if row.request.key == key:
+                return [list(sample.tokens) for sample in row.request.rows]
+        return None
+
     def drop(self, keys: set[Hashable]) -> None:
         """Removes the rows of the requests ``keys`` and the finished rows now, freeing their columns (a
         preempted request starts over later)."""

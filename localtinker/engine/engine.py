@@ -704,6 +704,10 @@ class RoutedSampleStream:
     def submit(self, key, sampler_id: str, spec: SampleSpec) -> None:
         (self.portable if self._is_portable(sampler_id) else self.tuned).submit(key, sampler_id, spec)
 
+    def progress(self, key) -> list[list[int]] | None:
+        found = self.tuned.progress(key)
+        return found if found is not None else self.portable.progress(key)
+
     def step(self) -> list:
         completed = self.tuned.step() if self.tuned.busy else []
         return completed + (self.portable.step() if self.portable.busy else [])

@@ -194,6 +194,10 @@ class PortableSampleStream:
             spec = replace(spec, seed=random.SystemRandom().randrange(2**62))
         self._pending.append(_Request(key, sampler_id, weights, spec))
 
+    def progress(self, key: Hashable) -> list[list[int]] | None:
+        request = self._admitted.get(key)
+        return [list(row.tokens) for row in request.rows] if request is not None and request.rows else None
+
     def step(self) -> Completed:
         completed, self._rejected = self._rejected, []
         for weights, requests in self._admissions().items():

@@ -121,6 +121,13 @@ class SampleStream:
             spec = replace(spec, seed=random.SystemRandom().randrange(2**62))
         self._pending.setdefault(sampler_id, deque()).append(_Pending(key, sampler_id, weights, spec))
 
+    def progress(self, key: Hashable) -> list[list[int]] | None:
+        """The tokens each sample of a decoding request has so far, for streaming (None: waiting or done). A
+        preempted request starts over from its seed, so what it reports again is what it reported before."""
+        request = self._admitted.get(key)
+        group = self._groups.get(request.weights) if request is not None else None
+        return group.batch.progress(key) if group is not None else None
+
     def step(self) -> Completed:
         """Admits what fits, runs one decode step for every batch; returns the requests completed."""
         completed, self._rejected = self._rejected, []

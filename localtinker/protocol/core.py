@@ -261,12 +261,14 @@ class ServiceCore:
         extras: SampleExtrasSpec,
         on_done: Callable[[SampleResult, SampleExtras | None], None],
         on_error: Callable[[BaseException], None],
+        on_progress: Callable[[list[list[int]]], None] | None = None,
     ) -> None:
         """Queues a sample into the engine's batched stream; top-k / target / alternative-token figures, when
-        asked, follow as one worker job on the finished result."""
+        asked, follow as one worker job on the finished result. ``on_progress`` (streaming) gets every
+        sample's tokens so far after each decode step that ran it."""
         on_done, on_error = self._traced(session_of_sampler(sampler_id), "sample", sampler_id, on_done, on_error)
         if not extras.wanted:
-            self.worker.submit_sample(SampleJob(sampler_id, spec, lambda result: on_done(result, None), on_error))
+            self.worker.submit_sample(SampleJob(sampler_id, spec, lambda result: on_done(result, None), on_error, on_progress=on_progress))
             return
 
         def sampled(result: SampleResult) -> None:
@@ -279,7 +281,7 @@ class ServiceCore:
                 )
             )
 
-        self.worker.submit_sample(SampleJob(sampler_id, spec, sampled, on_error))
+        self.worker.submit_sample(SampleJob(sampler_id, spec, sampled, on_error, on_progress=on_progress))
 
     def _traced(
         self, session_id: str, name: str, track: str, on_done: Callable[..., None], on_error: Callable[[BaseException], None]

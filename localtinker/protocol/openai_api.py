@@ -317,33 +317,95 @@ def completion_response(
     }
 
 
+class ChunkFormat:
+    """OpenAI's server-sent events for one streamed response: role, text, finish, usage, error, done."""
+
+    done = "data: [DONE]\n\n"
+
+    def __init__(self, request: OpenAIRequest, response_id: str, created: int) -> None:
+        self.chat = request.chat
+        self.base = {"id": response_id, "created": created, "model": request.model,
+                     "object": "chat.completion.chunk" if request.chat else "text_completion"}
+
+    def _event(self, choice_body: dict[str, Any]) -> str:
+        return f"data: {json.dumps({**self.base, 'choices': [choice_body]})}\n\n"
+
+    def role(self, index: int) -> str:
+        return self._event({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+
+    def text(self, index: int, piece: str, logprobs: dict[str, Any] | None = None) -> str:
+        if self.chat:
+            return self._event({"index": index, "delta": {"content": piece}, "logprobs": logprobs, "finish_reason": None})
+        return self._event({"index": index, "text": piece, "logprobs": logprobs, "finish_reason": None})
+
+    def finish(self, index: int, reason: str) -> str:
+        end = {"index": index, "logprobs": None, "finish_reason": reason}
+        return self._event({**end, "delta": {}} if self.chat else {**end, "text": ""})
+
+    def usage(self, usage: dict[str, int]) -> str:
+        return f"data: {json.dumps({**self.base, 'choices': [], 'usage': usage})}\n\n"
+
+    @staticmethod
+    def error(message: str) -> str:
+        """A failure after the stream began (the status line is sent): the official client raises APIError."""
+        return f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+
+
+class StreamedText:
+    """The visible text of one sample while it is decoded, released only as far as it is final: a trailing
+    partial UTF-8 character, or a tail that may yet become a stop string, waits for the next tokens."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.special = set(tokenizer.all_special_ids)
+        self.sent = ""
+        self.stopped = False
+
+    def update(self, tokens: list[int]) -> str:
+        """The text to send now, given every token of the sample so far."""
+        if self.stopped:
+            return ""
+        text = self.tokenizer.decode([t for t in tokens if t not in self.special], skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            text, self.stopped = text[:cut], True
+        else:
+            text = text.rstrip("\ufffd")
+            held = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            text = text[: len(text) - held]
+        return self._release(text)
+
+    def finish(self, final_text: str) -> str:
+        """What is left to send of the finished sample's text (``choice``'s, cut at the stop string)."""
+        return self._release(final_text)
+
+    def _release(self, text: str) -> str:
+        if not text.startswith(self.sent):  # decoding changed a character already sent: nothing safe to add
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
 def stream_events(response: dict[str, Any], request: OpenAIRequest) -> Iterator[str]:
     """A finished response as OpenAI's server-sent events: per choice a role chunk (chat), one chunk per
-    token of text, a chunk with the finish reason, the usage chunk when asked, then ``[DONE]``."""
+    token of text with its logprobs, a chunk with the finish reason, the usage chunk when asked, then
+    ``[DONE]``. Used when logprobs are asked (they are computed on the finished sequence); otherwise the
+    route streams tokens as they are decoded."""
     chat = request.chat
-    base = {"id": response["id"], "created": response["created"], "model": response["model"],
-            "object": "chat.completion.chunk" if chat else "text_completion"}
-
-    def event(choice_body: dict[str, Any]) -> str:
-        return f"data: {json.dumps({**base, 'choices': [choice_body]})}\n\n"
-
+    chunks = ChunkFormat(request, response["id"], response["created"])
     for c in response["choices"]:
         index = c["index"]
         text = c["message"]["content"] if chat else c["text"]
         if chat:
-            yield event({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+            yield chunks.role(index)
         content_logprobs = (c["logprobs"] or {}).get("content") if chat else None
         pieces = [e["token"] for e in content_logprobs] if content_logprobs else ([text] if text else [])
         if "".join(pieces) != text:
             pieces = [text]
         for j, piece in enumerate(pieces):
-            if chat:
-                logprobs = {"content": [content_logprobs[j]], "refusal": None} if content_logprobs and len(pieces) == len(content_logprobs) else None
-                yield event({"index": index, "delta": {"content": piece}, "logprobs": logprobs, "finish_reason": None})
-            else:
-                yield event({"index": index, "text": piece, "logprobs": None, "finish_reason": None})
-        end = {"index": index, "logprobs": None, "finish_reason": c["finish_reason"]}
-        yield event({**end, "delta": {}} if chat else {**end, "text": ""})
+            whole = chat and content_logprobs and len(pieces) == len(content_logprobs)
+            yield chunks.text(index, piece, {"content": [content_logprobs[j]], "refusal": None} if whole else None)
+        yield chunks.finish(index, c["finish_reason"])
     if request.include_usage:
-        yield f"data: {json.dumps({**base, 'choices': [], 'usage': response['usage']})}\n\n"
-    yield "data: [DONE]\n\n"
+        yield chunks.usage(response["usage"])
+    yield chunks.done

@@ -61,6 +61,8 @@ class SampleJob:
     on_done: Callable[[SampleResult], None]
     on_error: Failed
     queued_at: float = field(default_factory=time.monotonic)
+    # Streaming: called after each step that added tokens, with every sample's tokens so far.
+    on_progress: Callable[[list[list[int]]], None] | None = None
 
 
 _SKIPPED = object()  # a seq_id slot whose request was refused before queueing
@@ -381,12 +383,24 @@ class EngineWorker:
             for job in failed:
                 _safely(job.on_error, e)
             return
+        finished = {job for job, _ in completed}
+        self._report_progress([job for job in self._in_stream if job.on_progress is not None and job not in finished])
         for job, result in completed:
             self._in_stream.discard(job)
             if isinstance(result, BaseException):
                 _safely(job.on_error, result)
             else:
                 _safely(job.on_done, result)
+
+
+    def _report_progress(self, streaming: list[SampleJob]) -> None:
+        progress = getattr(self._stream, "progress", None)  # engines without a stream report at the end only
+        if progress is None:
+            return
+        for job in streaming:
+            tokens = progress(job)
+            if tokens is not None:
+                _safely(job.on_progress, tokens)
 
 
 def _safely(callback: Callable[[Any], None], value: Any) -> None:

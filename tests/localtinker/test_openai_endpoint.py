@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -80,6 +81,31 @@ def test_stream_sends_the_same_completion_as_chunks(oai: openai.OpenAI) -> None:
     assert text == whole.message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.finish_reason
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+
+
+def test_stream_delivers_tokens_while_the_engine_decodes(oai: openai.OpenAI) -> None:
+    """The first text arrives long before the last: chunks are sent as tokens are decoded, not at the end."""
+    kwargs = dict(model=TINY_MODEL, messages=[{"role": "user", "content": "Tell a long story"}], max_tokens=48, seed=4)
+    started = time.monotonic()
+    arrivals = [(time.monotonic() - started, chunk) for chunk in oai.chat.completions.create(stream=True, **kwargs)]
+    texts = [at for at, c in arrivals if c.choices and c.choices[0].delta.content]
+    assert len(texts) > 10 and texts[0] < 0.5 * arrivals[-1][0], (texts[0], arrivals[-1][0])
+
+
+def test_streamed_completions_equal_whole_ones_with_stop_n_and_echo(oai: openai.OpenAI) -> None:
+    free = oai.completions.create(model=TINY_MODEL, prompt="Once upon", max_tokens=12, seed=9)
+    stop = free.choices[0].text[4:7]
+    kwargs = dict(model=TINY_MODEL, prompt=["Once upon", "A time"], max_tokens=12, n=2, seed=9, stop=[stop], echo=True)
+    whole = oai.completions.create(**kwargs)
+    streamed: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for chunk in oai.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert streamed == {c.index: c.text for c in whole.choices}
+    assert finish == {c.index: c.finish_reason for c in whole.choices} and finish[0] == "stop"
 
 
 def test_stop_n_and_seed(oai: openai.OpenAI) -> None:

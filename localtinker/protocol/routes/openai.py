@@ -2,14 +2,17 @@
 
 ``model`` is a base model name or a ``tinker://`` checkpoint path. Prompts are rendered with the model's
 own chat template, and every request joins the engine's sampling queue like an SDK ``asample`` (so it is
-batched with other sampling). Streaming sends the finished completion as server-sent events, one chunk
-per token: the engine reports a sequence when it is complete.
+batched with other sampling). Streaming sends text as the engine decodes it: the engine reports each
+streaming request's tokens after every decode step. With ``logprobs`` the stream is made from the finished
+completion instead (top-k figures are computed on the finished sequence), one chunk per token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
@@ -29,11 +32,14 @@ from localtinker.engine.api import (
 from ..core import Handler, ServiceCore
 from ..errors import ProtocolError
 from ..openai_api import (
+    ChunkFormat,
     OpenAIError,
     OpenAIRequest,
+    StreamedText,
     choice,
     chat_response,
     completion_response,
+    new_id,
     parse_request,
     stream_events,
 )
@@ -101,6 +107,8 @@ class OpenAIRoutes:
         sampler_id, base_model = await self._sampler(parsed.model)
         tokenizer = await self._tokenizer(base_model)
         prompts, texts = self._prompts(parsed, tokenizer)
+        if parsed.stream and not parsed.logprobs:
+            return await self._stream(parsed, sampler_id, tokenizer, prompts, texts)
         results = await asyncio.gather(*(self._sample(sampler_id, parsed.spec(p), parsed.extras()) for p in prompts))
         choices = [
             choice(seq, tokenizer, parsed.stop, found.topk_sample[i] if found and found.topk_sample else None)
@@ -115,6 +123,71 @@ class OpenAIRoutes:
         if parsed.stream:
             return StreamingResponse(stream_events(response, parsed), media_type="text/event-stream")
         return JSONResponse(response)
+
+    # ---- streaming as the engine decodes ------------------------------------------------------------------
+
+    async def _stream(
+        self, parsed: OpenAIRequest, sampler_id: str, tokenizer: Any, prompts: list[list[int]], texts: list[str]
+    ) -> Response:
+        """Submits every prompt with a progress callback; the response starts with the first news from the
+        engine, so a request the engine refuses still gets its HTTP error status."""
+        loop = asyncio.get_running_loop()
+        news: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
+
+        def post(kind: str, prompt: int) -> Any:
+            return lambda value, *_: loop.call_soon_threadsafe(news.put_nowait, (kind, prompt, value))
+
+        for index, prompt in enumerate(prompts):
+            self.core.submit_sample(
+                sampler_id, parsed.spec(prompt), parsed.extras(), post("done", index), post("error", index),
+                on_progress=post("progress", index),
+            )
+        first = await news.get()
+        if first[0] == "error":
+            raise first[2]
+        events = self._events(parsed, tokenizer, prompts, texts, first, news)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    @staticmethod
+    async def _events(
+        parsed: OpenAIRequest, tokenizer: Any, prompts: list[list[int]], texts: list[str],
+        first: tuple[str, int, Any], news: asyncio.Queue[tuple[str, int, Any]],
+    ) -> AsyncIterator[str]:
+        chunks = ChunkFormat(parsed, new_id(parsed.chat), int(time.time()))
+        streams = [StreamedText(tokenizer, parsed.stop) for _ in range(len(prompts) * parsed.n)]
+        for index in range(len(streams)):
+            if parsed.chat:
+                yield chunks.role(index)
+            elif parsed.echo:
+                yield chunks.text(index, texts[index // parsed.n])
+        unfinished, completion_tokens, item = len(prompts), 0, first
+        while True:
+            kind, prompt, value = item
+            if kind == "error":
+                yield chunks.error(f"{type(value).__name__}: {value}")
+                return
+            sequences = value if kind == "progress" else [seq.tokens for seq in value.sequences]
+            for sample, tokens in enumerate(sequences):
+                index = prompt * parsed.n + sample
+                if kind == "progress":
+                    delta = streams[index].update(tokens)
+                else:
+                    final = choice(value.sequences[sample], tokenizer, parsed.stop)
+                    delta = streams[index].finish(final.text)
+                    completion_tokens += len(final.tokens)
+                if delta:
+                    yield chunks.text(index, delta)
+                if kind == "done":
+                    yield chunks.finish(index, final.finish_reason)
+            unfinished -= kind == "done"
+            if not unfinished:
+                break
+            item = await news.get()
+        if parsed.include_usage:
+            prompt_tokens = sum(len(p) for p in prompts)
+            yield chunks.usage({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                "total_tokens": prompt_tokens + completion_tokens})
+        yield chunks.done
 
     # ---- model, tokenizer, prompt ------------------------------------------------------------------------
 

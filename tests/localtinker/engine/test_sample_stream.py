@@ -363,3 +363,28 @@ def test_a_prompt_asking_for_prompt_logprobs_is_prefilled_whole(engine, samplers
     assert stream.stats.reused_prefix_tokens == 0
     expected = alone(engine, lora, request)
     np.testing.assert_allclose(result.prompt_logprobs[1:], expected.prompt_logprobs[1:], atol=1e-5)
+
+
+def test_progress_reports_each_samples_tokens_so_far_preempted_or_not(engine, samplers):
+    """What streaming reads: every step's report is a prefix of the final samples (a preempted request
+    starts over from its seed, so it reports the same tokens again), and it grows as the batch decodes."""
+    lora, _ = samplers
+    requests = {f"r{i}": spec(PROMPT_C, seed=70 + i, max_tokens=30, num_samples=2) for i in range(3)}
+    stream = engine.sample_stream()
+    stream.tuned = SampleStream(engine, budget_tokens=120, reserved_tokens_per_sample=8)
+    for key, request in requests.items():
+        stream.submit(key, lora, request)
+    reports: dict[str, list[list[list[int]]]] = {key: [] for key in requests}
+    results = {}
+    while stream.busy:
+        results.update(stream.step())
+        for key in requests:
+            if key not in results and (tokens := stream.progress(key)) is not None:
+                reports[key].append(tokens)
+    assert stream.tuned.stats.preempted >= 1
+    for key, seen in reports.items():
+        final = [s.tokens for s in results[key].sequences]
+        assert len(seen) >= 10
+        assert all(sample == whole[: len(sample)] for tokens in seen for sample, whole in zip(tokens, final))
+        assert max(len(tokens[0]) for tokens in seen) == 29  # the last token arrives with the result
+    assert stream.progress("r0") is None and stream.progress("never-submitted") is None
