@@ -1,7 +1,8 @@
 """RLHF on the tiny model, end to end: sft_chain → preference_model_chain (on-policy comparisons of the SFT
 checkpoint → preference model) → rlhf_chain (RL from SFT, rewarded by that preference model's tournaments) →
-eval reports → lineage names every edge; a preference model trained on HH-RLHF comparisons by config; bad
-judges and empty comparisons fail with a clear message and register nothing.
+eval reports → lineage names every edge; preference models trained on HH-RLHF, UltraFeedback and HelpSteer3
+comparisons (local fixtures in their schema) by config; bad judges and empty comparisons fail with a clear
+message and register nothing.
 
 A random tiny model never answers arithmetic correctly, so the verifier that picks chosen/rejected answers is
 replaced by one that alternates correct / incorrect (as in the DPO pipeline test); everything else is real.
@@ -185,12 +186,13 @@ def test_lineage_names_the_judge_and_its_comparison_data(rlhf_run):
     assert "data          onpolicy_comparisons @" in result.stdout and "data          rl_problems @" in result.stdout
 
 
-def test_a_preference_model_trains_on_hub_comparisons_by_config(rlhf_run):
+@pytest.mark.parametrize("preset", ["hh_rlhf", "ultrafeedback", "helpsteer3"])
+def test_a_preference_model_trains_on_hub_comparisons_by_config(rlhf_run, preset):
     job = rlhf_run.defs.resolve_job_def("preference_model_train")
     data = dg.materialize(
         [next(a for a in rlhf_run.defs.assets if getattr(a, "key", None) == dg.AssetKey("preference_comparisons"))],
         instance=rlhf_run.instance, resources=tiny_resources(rlhf_run.state),
-        run_config={"ops": {"preference_comparisons": {"config": {"source": "hh_rlhf", "limit": 12, "heldout_fraction": 0.25}}}},
+        run_config={"ops": {"preference_comparisons": {"config": {"source": preset, "limit": 12, "heldout_fraction": 0.25}}}},
     )
     assert data.success
     result = job.execute_in_process(
@@ -201,7 +203,7 @@ def test_a_preference_model_trains_on_hub_comparisons_by_config(rlhf_run):
     assert result.success
     (manifest,) = _manifests("preference_model", result.run_id)
     assert manifest.related["comparisons"]["asset"] == "preference_comparisons" and manifest.parent_partition is None
-    assert manifest.upstream["preference_comparisons"]["metadata"]["source"].startswith("hh_rlhf")
+    assert manifest.upstream["preference_comparisons"]["metadata"]["source"].startswith(preset)
 
 
 def _fails_without_registering(run: RlhfRun, job: str, op: str, config: dict, message: str) -> None:
