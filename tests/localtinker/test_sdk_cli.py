@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import tinker
@@ -19,44 +16,16 @@ from tinker import types
 
 from localtinker.server import start_server
 from tests.fixtures.network import free_port
-from tests.fixtures.server import LOCAL_API_KEY, TINY_MODEL
+from tests.fixtures.server import LOCAL_API_KEY, TINY_MODEL, serve_subprocess
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def cli_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    storage, port = tmp_path / "storage", free_port()
-    env = {k: v for k, v in os.environ.items() if k != "TINKER_API_KEY"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "localtinker", "serve", "--port", str(port), "--storage", str(storage), "--log-level", "warning"],
-        cwd=REPO,
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"server exited: {process.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"{base_url}/api/v1/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up within 90 s"
-            time.sleep(0.2)
+    storage = tmp_path / "storage"
+    with serve_subprocess(storage, free_port()) as base_url:
         yield base_url, storage
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
 
 
 def test_unmodified_sdk_script_runs_against_the_cli_server(cli_server: tuple[str, Path]) -> None:
