@@ -237,7 +237,7 @@ def refresh_leaderboard(instance: dg.DagsterInstance, mlflow: MlflowResource, ta
     ``table`` paths); a failed run raises RuntimeError with the reason."""
     outcome = dg.materialize([leaderboard], instance=instance, resources={"mlflow": mlflow}, raise_on_error=False, tags=tags)
     if not outcome.success:
-        raise RuntimeError(f"leaderboard: {_failure_message(outcome)}")
+        raise RuntimeError(f"leaderboard: {failure_message(outcome)}")
     return {name: getattr(value, "value", value) for name, value in outcome.asset_materializations_for_node("leaderboard")[0].metadata.items()}
 
 
@@ -263,7 +263,7 @@ def _benchmark_tasks(instance: dg.DagsterInstance, reference: str, tasks: list[s
         if not outcome.success:
             if added:  # a failed first run records nothing, not even the requested key
                 instance.delete_dynamic_partition(BENCHMARK_PARTITIONS.name, key.partition)
-            print(f"error: {task}: {_failure_message(outcome)}", file=sys.stderr)
+            print(f"error: {task}: {failure_message(outcome)}", file=sys.stderr)
             failed += 1
             continue
         metadata = {name: getattr(value, "value", value) for name, value in outcome.asset_materializations_for_node("benchmark_result")[0].metadata.items()}
@@ -275,7 +275,7 @@ def _benchmark_tasks(instance: dg.DagsterInstance, reference: str, tasks: list[s
     return 2 if failed else 0
 
 
-def _failure_message(outcome: "dg.ExecuteInProcessResult") -> str:
+def failure_message(outcome: "dg.ExecuteInProcessResult") -> str:
     for event in outcome.all_events:
         if event.is_step_failure and event.step_failure_data.error is not None:
             error = event.step_failure_data.error

@@ -11,9 +11,9 @@ import dagster as dg
 import pyarrow.parquet as pq
 import pytest
 
-from assets.benchmarks import BENCHMARK_PARTITIONS, BenchmarkKey, base_key, benchmark_result, leaderboard, result_dir
+from assets.benchmarks import BENCHMARK_PARTITIONS, BenchmarkKey, base_key, benchmark_result, ensure_partitions, leaderboard, result_dir
 from assets.checkpoint_manifest import CheckpointManifest, read_manifest, write_manifest
-from pipelines.benchmarks import BenchmarkSuite, benchmark_definitions, newest_per_recipe, run_cli
+from pipelines.benchmarks import BenchmarkSuite, benchmark_definitions, failure_message, newest_per_recipe, run_cli
 from resources.mlflow import ALIAS_BEST
 from tests.fixtures.dagster_env import TINY_MODEL, tiny_resources
 
@@ -109,6 +109,26 @@ def test_the_default_suite_leaves_out_benchmarks_whose_data_is_not_here_and_says
         | {f"{model}|{task}" for model in ("sft-1a2b3c4d-000010", base) for task in ("gsm8k", "mmlu")}
     )
     assert " - WARNING - " not in capsys.readouterr().err
+
+
+def test_a_bad_pair_fails_naming_the_fix_and_records_nothing(
+    dagster_instance: dg.DagsterInstance, mlflow_resource, no_local_datasets, tmp_path: Path
+) -> None:
+    resources = {**tiny_resources(tmp_path), "mlflow": mlflow_resource}
+    cases = {
+        "sft-deadbeef-000009|arithmetic_gsm8k": "no checkpoint manifest",  # a checkpoint that does not exist
+        f"{base_key(TINY_MODEL)}|gsm8k": "Fix: put a copy laid out like the hub repository at $POSTTRAIN_HUB_MIRROR/openai/gsm8k",
+        f"{base_key(TINY_MODEL)}|gsm9k": "unknown task 'gsm9k'",
+    }
+    for partition, message in cases.items():
+        ensure_partitions(dagster_instance, [BenchmarkKey.parse(partition)])
+        outcome = dg.materialize([benchmark_result], partition_key=partition, instance=dagster_instance, resources=resources, raise_on_error=False)
+        assert not outcome.success and message in failure_message(outcome)
+        records = dagster_instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=benchmark_result.key, asset_partitions=[partition]), limit=1
+        ).records
+        directory = result_dir(BenchmarkKey.parse(partition))
+        assert not records and (not directory.exists() or not any(directory.iterdir())), partition
 
 
 @pytest.mark.slow
