@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     parser = argparse.ArgumentParser(prog="python -m pipelines", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run the recipe chain (SFT → DPO → RL, or --stages rlhf) and every eval report")
+    demo = commands.add_parser("demo", help="run the recipe chain (SFT → DPO → RL, or --stages rlhf), every eval report, then the leaderboard")
     demo.add_argument("--max-steps", type=int, default=0, help="training steps of every stage (default: each stage's, in pipelines/demo.py)")
     demo.add_argument("--final-only", action="store_true", help="evaluate only the final checkpoint")
     demo.add_argument("--stages", choices=("default", "rlhf"), default="default",
