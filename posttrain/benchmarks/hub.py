@@ -40,11 +40,12 @@ def load_records(dataset: HubDataset, benchmark: str) -> list[dict[str, Any]]:
 
 
 def local_copy(dataset: HubDataset) -> Path | None:
-    """The mirror directory, or the Hugging Face cache folder (datasets' built cache or the hub's file cache),
-    that holds ``dataset``; None when neither does. Reads directory names only (a sensor calls it every tick)."""
+    """The mirror directory, or the ``datasets`` cache folder, that holds ``dataset``; None when neither does.
+
+    Only the cache ``load_dataset`` builds counts: offline, ``datasets`` reads nothing else (hub files fetched
+    without it, e.g. by ``hf download``, are not enough). Reads directory names only (a sensor calls it every tick)."""
     import datasets.config
     from datasets.naming import camelcase_to_snakecase
-    from huggingface_hub import constants
 
     mirror = mirror_dir(dataset.hub_id)
     if mirror is not None:
@@ -53,9 +54,6 @@ def local_copy(dataset: HubDataset) -> Path | None:
     built = Path(datasets.config.HF_DATASETS_CACHE).expanduser() / "___".join([*namespace, camelcase_to_snakecase(name)])
     if any(path.is_dir() for path in built.glob(f"{dataset.config or '*'}/*/*")):
         return built
-    files = Path(constants.HF_HUB_CACHE).expanduser() / ("datasets--" + dataset.hub_id.replace("/", "--"))
-    if any((files / "snapshots").glob("*/*")):
-        return files
     return None
 
 

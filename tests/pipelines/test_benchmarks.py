@@ -62,13 +62,11 @@ def _checkpoint(partition: str, parent: str | None = None) -> CheckpointManifest
 
 @pytest.fixture
 def no_local_datasets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A fresh offline clone: no mirror, empty Hugging Face caches."""
+    """A fresh offline clone: no mirror, an empty ``datasets`` cache."""
     import datasets.config
-    from huggingface_hub import constants
 
     monkeypatch.delenv("POSTTRAIN_HUB_MIRROR", raising=False)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
 
 
 def test_the_default_suite_leaves_out_benchmarks_whose_data_is_not_here_and_says_how_to_fix_it(

@@ -129,13 +129,11 @@ def test_the_arithmetic_benchmarks_need_no_download(monkeypatch: pytest.MonkeyPa
     assert [sample.target for sample in as_file.task.dataset] == [sample.target for sample in choice_task.dataset]
 
 
-def test_a_benchmark_dataset_is_local_in_the_mirror_or_the_hf_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_a_benchmark_dataset_is_local_in_the_mirror_or_the_datasets_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import datasets.config
-    from huggingface_hub import constants
 
     monkeypatch.delenv("POSTTRAIN_HUB_MIRROR", raising=False)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     (tmp_path / "datasets" / "_root_.cache_gsm8k_main_0.0.0_8d84.lock").parent.mkdir(parents=True)
     (tmp_path / "datasets" / "_root_.cache_gsm8k_main_0.0.0_8d84.lock").touch()  # a lock file is no copy
     message = data_missing("gsm8k")
@@ -147,7 +145,9 @@ def test_a_benchmark_dataset_is_local_in_the_mirror_or_the_hf_cache(monkeypatch:
     (tmp_path / "datasets" / "openai___gsm8k" / "main" / "0.0.0" / "e53f0483").mkdir(parents=True)
     assert local_copy(BENCHMARKS["gsm8k"].dataset) == tmp_path / "datasets" / "openai___gsm8k"
     assert data_missing("mmlu") is not None
-    (tmp_path / "hub" / "datasets--cais--mmlu" / "snapshots" / "c30699e8" / "all").mkdir(parents=True)
+    (tmp_path / "datasets" / "cais___mmlu" / "other_config" / "0.0.0" / "c30699e8").mkdir(parents=True)
+    assert data_missing("mmlu") is not None  # another config's cache does not hold config 'all'
+    (tmp_path / "datasets" / "cais___mmlu" / "all" / "0.0.0" / "c30699e8").mkdir(parents=True)
     assert data_missing("mmlu") is None
     monkeypatch.setenv("POSTTRAIN_HUB_MIRROR", str(BENCHMARK_HUB))
     assert local_copy(BENCHMARKS["math500"].dataset) == BENCHMARK_HUB / "HuggingFaceH4" / "MATH-500"
