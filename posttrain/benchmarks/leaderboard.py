@@ -1,7 +1,8 @@
 """The leaderboard: every benchmarked model (base models, checkpoints) × every benchmark, in one table.
 
-Rows are models: base models first, then each recipe's checkpoints by step, each naming its parent
-(the checkpoint it was trained from, or its base model). A cell is ``value ± s.e. (n)``; where the
+Rows are models in lineage order: base models first, then checkpoints by their distance from the base
+(SFT, then the DPO trained from it, then RL…), by recipe and step within one generation, each naming its
+parent (the checkpoint it was trained from, or its base model). A cell is ``value ± s.e. (n)``; where the
 parent was scored on the same benchmark, ``Δ parent`` is the *paired* difference over the samples
 both scored (``posttrain.eval.stats.paired_difference``), flagged ``*`` beyond two standard errors.
 The same rows go to parquet (long form, one row per model × benchmark), markdown and a PNG bar chart
@@ -84,7 +85,16 @@ def build_rows(models: Sequence[ModelEntry], cells: Mapping[tuple[str, str], Cel
 
 
 def order_models(models: Sequence[ModelEntry]) -> list[ModelEntry]:
-    return sorted(models, key=lambda m: (m.recipe != "base", m.recipe, m.step, m.key))
+    by_key = {model.key: model for model in models}
+
+    def generation(model: ModelEntry) -> int:
+        hops, seen, parent = 0, {model.key}, model.parent
+        while parent is not None and parent not in seen:
+            hops, seen = hops + 1, seen | {parent}
+            parent = by_key[parent].parent if parent in by_key else None
+        return hops
+
+    return sorted(models, key=lambda m: (generation(m), m.recipe, m.step, m.key))
 
 
 def table(rows: Sequence[Row]) -> pa.Table:
@@ -107,17 +117,21 @@ def markdown(rows: Sequence[Row]) -> str:
 
 
 def text(rows: Sequence[Row]) -> str:
-    """The rows as a terminal table, one line per model × benchmark (what `make demo` prints)."""
-    width = max([len("model"), *(len(row.model) for row in rows)])
-    bench_width = max([len("benchmark"), *(len(row.benchmark) for row in rows)])
-    lines = [f"{'model':<{width}}  {'benchmark':<{bench_width}}  {'value ± s.e.':>14}  {'n':>5}  Δ vs parent ± s.e. (paired n)"]
+    """The rows as a terminal table (what `make demo` prints): a line per model naming its parent, then one
+    line per benchmark with value ± s.e., n and the paired Δ vs the parent."""
+    width = max([len("benchmark"), *(len(row.benchmark) for row in rows)]) + 2
+    lines = [f"{'model / benchmark':<{width}}  {'value ± s.e.':>14}  {'n':>5}  Δ vs parent ± s.e. (paired n)"]
+    model = None
     for row in rows:
+        if row.model != model:
+            model = row.model
+            lines.append(row.model + (f"  (parent {row.parent})" if row.parent else ""))
         stderr = "?" if math.isnan(row.stderr) else f"{row.stderr:.3f}"
         delta = ""
         if row.delta_parent_n:
             delta_se = "?" if math.isnan(row.delta_parent_stderr) else f"{row.delta_parent_stderr:.3f}"
-            delta = f"{row.delta_parent:+.3f} ± {delta_se} ({row.delta_parent_n}){' *' if row.significant else ''}  vs {row.parent}"
-        lines.append(f"{row.model:<{width}}  {row.benchmark:<{bench_width}}  {row.value:>6.3f} ± {stderr:>5}  {row.n:>5}  {delta}".rstrip())
+            delta = f"{row.delta_parent:+.3f} ± {delta_se} ({row.delta_parent_n}){' *' if row.significant else ''}"
+        lines.append(f"  {row.benchmark:<{width - 2}}  {row.value:>6.3f} ± {stderr:>5}  {row.n:>5}  {delta}".rstrip())
     return "\n".join(lines)
 
 

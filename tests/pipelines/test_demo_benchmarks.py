@@ -29,9 +29,11 @@ def test_the_demo_benchmarks_base_and_checkpoint_through_the_job_and_prints_the_
         ).records[0]
         assert run.instance.get_run_by_id(record.run_id).job_name == "benchmark"
     lines = result.leaderboard.splitlines()
-    assert lines[0].startswith("model") and "Δ vs parent" in lines[0]
-    assert [line.split()[:2] for line in lines[1:]] == [[model, benchmark] for model in (base_key(TINY_MODEL), final) for benchmark in sorted(DEMO_BENCHMARKS)]
-    assert all(f"vs {base_key(TINY_MODEL)}" in line for line in lines[3:])  # paired with its parent, on the same 2 problems
+    assert lines[0].startswith("model / benchmark") and "Δ vs parent" in lines[0]
+    assert [line for line in lines if not line.startswith(" ")][1:] == [base_key(TINY_MODEL), f"{final}  (parent {base_key(TINY_MODEL)})"]
+    benchmark_lines = [line.split() for line in lines if line.startswith("  ")]
+    assert [words[0] for words in benchmark_lines] == sorted(DEMO_BENCHMARKS) * 2
+    assert all(words[-1] == "(2)" or words[-2] == "(2)" for words in benchmark_lines[2:])  # paired with its parent on the same 2 problems
     printed = format_benchmarks(result)
     assert printed.startswith("== leaderboard: ") and f"chart: {result.chart}" in printed and "inspect view --log-dir " in printed
     assert open(result.chart, "rb").read(4) == b"\x89PNG"

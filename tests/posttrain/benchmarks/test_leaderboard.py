@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from posttrain.benchmarks.leaderboard import Cell, ModelEntry, build_rows, markdown, rows_from_table, table, text
+from posttrain.benchmarks.leaderboard import Cell, ModelEntry, build_rows, markdown, order_models, rows_from_table, table, text
 
 BASE = ModelEntry("base:m", "base:m", "base", 0, None)
 SFT = ModelEntry("sft-1a2b3c4d-000010", "sft-1a2b3c4d-000010", "sft", 10, "base:m")
@@ -25,8 +25,16 @@ def test_a_checkpoint_row_carries_its_paired_difference_with_the_parent() -> Non
     assert rows_from_table(table(rows))[1] == rows[1] and text(rows_from_table(table(rows))) == text(rows)
 
     lines = text(rows).splitlines()
-    assert lines[0].split()[:2] == ["model", "benchmark"]
-    assert lines[1].split() == ["base:m", "sums", "0.250", "±", "0.100", "4"]
-    assert lines[2].split()[:6] == ["sft-1a2b3c4d-000010", "sums", "1.000", "±", "0.100", "5"]
-    assert lines[2].endswith("vs base:m") and "+0.750 ± " in lines[2] and "(4)" in lines[2]
+    assert lines[0].startswith("model / benchmark") and "Δ vs parent" in lines[0]
+    assert lines[1] == "base:m"
+    assert lines[2].split() == ["sums", "0.250", "±", "0.100", "4"]
+    assert lines[3] == "sft-1a2b3c4d-000010  (parent base:m)"
+    assert lines[4].split() == ["sums", "1.000", "±", "0.100", "5", "+0.750", "±", "0.250", "(4)", "*"]  # 3 s.e.: flagged
     assert "| sft-1a2b3c4d-000010 | base:m | 1.000 ± 0.100 (n=5)<br>Δ +0.750" in markdown(rows)
+
+
+def test_models_come_in_lineage_order() -> None:
+    dpo = ModelEntry("dpo-5e6f7a8b-000004", "dpo-5e6f7a8b-000004", "dpo", 4, SFT.key)
+    rl = ModelEntry("rl-9a8b7c6d-000004", "rl-9a8b7c6d-000004", "rl", 4, dpo.key)
+    orphan = ModelEntry("rl-00000000-000002", "rl-00000000-000002", "rl", 2, "sft-gone-000001")  # parent not benchmarked
+    assert [m.key for m in order_models([rl, dpo, orphan, SFT, BASE])] == [BASE.key, orphan.key, SFT.key, dpo.key, rl.key]
