@@ -18,7 +18,10 @@ from typing import Any
 import dagster as dg
 import pyarrow.parquet as pq
 
+from assets.benchmarks import BenchmarkKey, base_key, ensure_partitions
 from assets.checkpoint_manifest import CheckpointManifest, all_manifests
+from pipelines.benchmarks import BENCHMARK_JOB, refresh_leaderboard
+from posttrain.benchmarks import leaderboard as board
 from resources.mlflow_links import absolute_mlflow_url
 from resources.state import ensure_dagster_home, state_dir, state_subdir
 
@@ -133,6 +136,7 @@ DEMO_BENCHMARK_LIMIT = 100
 @dataclass
 class BenchmarkStageResult:
     partitions: list[str]
+    limit: int
     leaderboard: str  # the leaderboard as a terminal table
     chart: str
     seconds: float
@@ -167,10 +171,6 @@ def run_stage(defs: dg.Definitions, instance: dg.DagsterInstance, stage: DemoSta
 def run_benchmark_stage(defs: dg.Definitions, instance: dg.DagsterInstance, models: list[str], limit: int = DEMO_BENCHMARK_LIMIT) -> BenchmarkStageResult:
     """Each (model, benchmark) pair through the ``benchmark`` job, then the ``leaderboard``; ``models`` are
     partition keys of checkpoints or ``base:<model>``. A pair benchmarked before is run again (its newest result counts)."""
-    from assets.benchmarks import BenchmarkKey, ensure_partitions
-    from pipelines.benchmarks import BENCHMARK_JOB, refresh_leaderboard
-    from posttrain.benchmarks import leaderboard as board
-
     started = time.monotonic()
     keys = [BenchmarkKey(model, benchmark) for model in models for benchmark in DEMO_BENCHMARKS]
     ensure_partitions(instance, keys)
@@ -184,7 +184,7 @@ def run_benchmark_stage(defs: dg.Definitions, instance: dg.DagsterInstance, mode
     metadata = refresh_leaderboard(instance, defs.resources["mlflow"], tags={"posttrain/trigger": "demo"})
     rows = board.rows_from_table(pq.read_table(metadata["table"]))
     shown = [row for row in rows if any(row.model == key.model and row.benchmark == key.benchmark for key in keys)]
-    return BenchmarkStageResult([key.partition for key in keys], board.text(shown), str(metadata["chart"]), time.monotonic() - started)
+    return BenchmarkStageResult([key.partition for key in keys], limit, board.text(shown), str(metadata["chart"]), time.monotonic() - started)
 
 
 def run_demo(
@@ -205,8 +205,6 @@ def run_demo(
             print(format_stage(results[-1]), flush=True)
         finals = [result.checkpoints[-1] for result in results if result.checkpoints and result.stage.benchmarked]
         if benchmark and finals:
-            from assets.benchmarks import base_key
-
             benchmarks = run_benchmark_stage(defs, instance, [base_key(finals[0].base_model), *(final.partition for final in finals)])
             print(format_benchmarks(benchmarks), flush=True)
     return DemoResult(results, time.monotonic() - started, benchmarks)
@@ -256,7 +254,7 @@ def format_stage(result: StageResult) -> str:
 
 
 def format_benchmarks(result: BenchmarkStageResult) -> str:
-    lines = [f"== leaderboard: {result.seconds:.0f} s, {len(result.partitions)} benchmark runs (limit {DEMO_BENCHMARK_LIMIT} each)"]
+    lines = [f"== leaderboard: {result.seconds:.0f} s, {len(result.partitions)} benchmark runs (limit {result.limit} each)"]
     lines += [f"   {line}" for line in result.leaderboard.splitlines()]
     lines += [f"   chart: {result.chart}", f"   transcripts: inspect view --log-dir {state_subdir('benchmarks')}"]
     return "\n".join(lines)

@@ -35,5 +35,5 @@ def test_the_demo_benchmarks_base_and_checkpoint_through_the_job_and_prints_the_
     assert [words[0] for words in benchmark_lines] == sorted(DEMO_BENCHMARKS) * 2
     assert all(words[-1] == "(2)" or words[-2] == "(2)" for words in benchmark_lines[2:])  # paired with its parent on the same 2 problems
     printed = format_benchmarks(result)
-    assert printed.startswith("== leaderboard: ") and f"chart: {result.chart}" in printed and "inspect view --log-dir " in printed
+    assert printed.startswith("== leaderboard: ") and "(limit 2 each)" in printed and f"chart: {result.chart}" in printed and "inspect view --log-dir " in printed
     assert open(result.chart, "rb").read(4) == b"\x89PNG"
