@@ -34,6 +34,7 @@ def main() -> int:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prepare", action="store_true", help="run the demo's SFT and DPO stages (once per state dir)")
+    parser.add_argument("--sft", action="append", default=[], metavar="KEY=VALUE", help="with --prepare: sft_checkpoint config overrides")
     parser.add_argument("overrides", nargs="*", help="rl_checkpoint config overrides, key=value (JSON values)")
     args = parser.parse_args()
     if "POSTTRAIN_STATE_DIR" not in os.environ:
@@ -48,13 +49,15 @@ def main() -> int:
     home = ensure_dagster_home()
     overrides = {"rl_checkpoint": dict(item.split("=", 1) for item in args.overrides)}
     overrides["rl_checkpoint"] = {key: _value(value) for key, value in overrides["rl_checkpoint"].items()}
+    overrides["sft_checkpoint"] = {key: _value(value) for key, value in (item.split("=", 1) for item in args.sft)}
     with dg.DagsterInstance.from_config(str(home)) as instance:
         stages = (SFT_STAGE, DPO_STAGE) if args.prepare else (RL_STAGE,)
         for stage in stages:
             started = time.monotonic()
             result = run_stage(defs, instance, stage, overrides, evaluate_all=False)
             print(format_stage(result), flush=True)
-            print(f"   overrides: {overrides['rl_checkpoint'] if stage is RL_STAGE else {}}; {time.monotonic() - started:.0f} s", flush=True)
+            shown = overrides["rl_checkpoint"] if stage is RL_STAGE else overrides["sft_checkpoint"] if stage is SFT_STAGE else {}
+            print(f"   overrides: {shown}; {time.monotonic() - started:.0f} s", flush=True)
     return 0
 
 
