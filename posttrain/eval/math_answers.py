@@ -18,12 +18,14 @@ main thread (a Dagster step thread, a worker) the bound is left off rather than 
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from dataclasses import dataclass
 
 _ANSWER_LINE = re.compile(r"ANSWER\s*:\s*(.+)", re.IGNORECASE)
 _LATEX_HINT = re.compile(r"[\\{}()\[\]^]")  # LaTeX, tuples, intervals: read as math; "18 dollars" as text
+_PLAIN_NUMBER = re.compile(r"[-+]?\$?\d{1,3}(?:,\d{3})+(?:\.\d+)?|[-+]?\$?\d+(?:\.\d+)?\.?")  # 1,234.5  $72  72.
 _WORDS = re.compile(r"[A-Za-z]{2,}(?:[\s'-]+[A-Za-z]+)*")  # a text answer ("Paris", "New York"): not math
 TIMEOUT_S = 5
 
@@ -68,7 +70,17 @@ def same_value(predicted: str | None, gold: str) -> bool:
     words compare as text.) None — no answer was found — never does."""
     if predicted is None or not predicted.strip():
         return False
+    numbers = _plain_number(predicted), _plain_number(gold)
+    if None not in numbers:  # the common case (GSM8K, arithmetic): no sympy, so no unbounded work off the main thread
+        return math.isclose(numbers[0], numbers[1], rel_tol=1e-9, abs_tol=1e-9)
     return grade_math(f"ANSWER: {predicted.strip()}", gold).correct
+
+
+def _plain_number(text: str) -> float | None:
+    text = text.strip()
+    if not _PLAIN_NUMBER.fullmatch(text):
+        return None
+    return float(text.replace(",", "").replace("$", "").rstrip("."))
 
 
 def is_text_answer(answer: str) -> bool:

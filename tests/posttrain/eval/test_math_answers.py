@@ -63,3 +63,14 @@ def test_an_extracted_answer_has_the_gold_value(predicted, gold, expected) -> No
 def test_a_text_gold_answer_is_compared_as_text() -> None:
     assert grade_math("I think so.\nANSWER: New York", "new york").correct
     assert not grade_math("ANSWER: kroy wen", "New York").correct
+
+
+def test_plain_numbers_compare_without_sympy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RL envs grade off the main thread, where math-verify's sympy work has no time bound: numbers skip it."""
+    import math_verify
+
+    def unbounded(*args, **kwargs):
+        raise AssertionError("math-verify called for plain numbers")
+
+    monkeypatch.setattr(math_verify, "parse", unbounded)
+    assert same_value("1,234", "1234") and same_value("$72.", "72") and not same_value("71", "72")
