@@ -39,7 +39,7 @@ from assets.benchmarks import BASE_PREFIX, BENCHMARK_ASSETS, BENCHMARK_PARTITION
 from assets.checkpoint_manifest import CheckpointManifest, all_manifests
 from assets.registration import partitions_name
 from pipelines.best import best_manifests
-from posttrain.benchmarks.tasks import data_missing
+from posttrain.benchmarks.tasks import benchmark_names, data_missing, is_task_reference
 from resources.mlflow import MlflowResource
 
 BENCHMARK_JOB = "benchmark"
@@ -71,8 +71,16 @@ class BenchmarkSuite:
         return [BenchmarkKey(model, benchmark) for model in models for benchmark in (self.benchmarks if benchmarks is None else benchmarks)]
 
     def missing_data(self) -> dict[str, str]:
-        """Each benchmark of the suite whose dataset is not here, with the message naming it and both fixes."""
-        return {name: why for name in self.benchmarks if (why := data_missing(name)) is not None}
+        """Each name of the suite that cannot run here, with why and the fix: no such benchmark, or its
+        dataset is not here (the message names it and both fixes)."""
+        return {name: why for name in self.benchmarks if (why := _cannot_run(name)) is not None}
+
+
+def _cannot_run(name: str) -> str | None:
+    if not is_task_reference(name):
+        return (f"{name!r} is no benchmark; fix POSTTRAIN_BENCHMARKS: use {', '.join(benchmark_names())}, "
+                "inspect_evals/<task> or a path to a .py task file")
+    return data_missing(name)
 
 
 def benchmark_job() -> "dg.UnresolvedAssetJobDefinition":

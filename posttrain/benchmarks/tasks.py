@@ -186,6 +186,13 @@ def canonical_name(reference: str) -> str:
     return ALIASES.get(reference.lower(), reference.lower())
 
 
+def is_task_reference(reference: str) -> bool:
+    """Whether ``reference`` has the shape of something :func:`resolve_task` takes, without building it: a
+    benchmark name, ``inspect_evals/<task>`` or a ``.py`` task file (bare inspect_evals names need the prefix here)."""
+    name = canonical_name(reference)
+    return name in BENCHMARKS or name in GENERATED_TASKS or name.startswith(INSPECT_EVALS_PREFIX) or reference.split("@", 1)[0].endswith(".py")
+
+
 def data_missing(reference: str) -> str | None:
     """Why ``reference`` cannot run here for want of its dataset (the message names the dataset and both
     fixes), or None: its data is local, it needs none, or only running it can tell (inspect_evals, files)."""

@@ -109,6 +109,19 @@ def test_the_default_suite_leaves_out_benchmarks_whose_data_is_not_here_and_says
     assert " - WARNING - " not in capsys.readouterr().err
 
 
+def test_a_misspelt_suite_benchmark_is_named_not_requested(
+    dagster_instance: dg.DagsterInstance, mlflow_resource, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys
+) -> None:
+    monkeypatch.setenv("POSTTRAIN_BENCHMARKS", "arithmetic_choice,gsm9k,inspect_evals/boolq")
+    suite = dataclasses.replace(BenchmarkSuite.from_env(), trigger="every")
+    _checkpoint("sft-1a2b3c4d-000010")
+    defs = dg.Definitions.merge(benchmark_definitions(suite), dg.Definitions(resources=tiny_resources(tmp_path)))
+    with dg.build_sensor_context(instance=dagster_instance, resources={"mlflow": mlflow_resource}) as context:
+        requested = {request.partition_key for request in defs.resolve_sensor_def("benchmark_new_checkpoints")(context)}
+    assert requested == {f"{model}|{task}" for model in ("sft-1a2b3c4d-000010", base_key(TINY_MODEL)) for task in ("arithmetic_choice", "inspect_evals/boolq")}
+    assert "gsm9k not requested for 2 model(s): 'gsm9k' is no benchmark; fix POSTTRAIN_BENCHMARKS: use arithmetic_choice, arithmetic_gsm8k, gsm8k" in capsys.readouterr().err
+
+
 def test_a_bad_pair_fails_naming_the_fix_and_records_nothing(
     dagster_instance: dg.DagsterInstance, mlflow_resource, no_local_datasets, tmp_path: Path
 ) -> None:
