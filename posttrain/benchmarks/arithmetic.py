@@ -3,8 +3,10 @@
 They ask what `make demo`'s recipes train on (two-number sums, "Calculate 43 + 12."), so the leaderboard
 shows the demo's checkpoints against their base model on a fresh offline clone, and the automation's
 default suite always has something it can run. ``arithmetic_gsm8k`` is graded like ``gsm8k`` (its prompt,
-math-verify on the ``ANSWER:`` line); ``arithmetic_choice`` like ``mmlu`` (inspect's multiple-choice prompt,
-letter answer). Problems come from a fixed seed, so every model answers the same ones (paired comparisons).
+math-verify on the ``ANSWER:`` line); ``arithmetic_choice`` asks with inspect's multiple-choice prompt, as ``mmlu`` does,
+but takes the pick however the model states it (``B``, ``B) 55``, or the option's text ``55``: see
+:mod:`posttrain.benchmarks.choice_answer`), since the demo's models learn to answer with the bare sum.
+Problems come from a fixed seed, so every model answers the same ones (paired comparisons).
 
 They are benchmarks by name (``--task arithmetic_gsm8k``); this file is also an inspect task file
 (``--task posttrain/benchmarks/arithmetic.py@arithmetic_choice``, ``inspect eval``), the shape a new one takes.
@@ -15,9 +17,9 @@ import random
 from inspect_ai import Task, task
 from inspect_ai.dataset import Sample
 from inspect_ai.model import GenerateConfig
-from inspect_ai.scorer import choice
 from inspect_ai.solver import generate, multiple_choice, prompt_template
 
+from posttrain.benchmarks.choice_answer import choice_answer
 from posttrain.benchmarks.graders import MATH_PROMPT, math_answer
 
 
@@ -43,7 +45,7 @@ def arithmetic_choice(count: int = 100, seed: int = 4321, max_tokens: int = 16) 
         shuffled = sorted(options, key=lambda _: rng.random())
         samples.append(Sample(id=f"choice-{a}-{b}-{i}", input=f"Calculate {a} + {b}.", choices=[str(o) for o in shuffled],
                               target="ABCD"[shuffled.index(right)]))
-    return Task(dataset=samples, solver=[multiple_choice()], scorer=choice(), config=GenerateConfig(temperature=0.0, max_tokens=max_tokens),
+    return Task(dataset=samples, solver=[multiple_choice()], scorer=choice_answer(), config=GenerateConfig(temperature=0.0, max_tokens=max_tokens),
                 name="arithmetic_choice")
 
 
