@@ -70,13 +70,14 @@ DPO_STAGE = DemoStage(
         "dpo_checkpoint": {"config": {**DEMO_DPO, "pairs": "onpolicy_pairs", "init_from": "latest:sft"}},
     },
 )
-# RL on the same task, from the DPO checkpoint: 8 problems x 8 samples = 64 samples of up to 16 tokens per
-# step, rewarded by the task's own scorer, importance-sampling loss.
+# RL on the same task, from the DPO checkpoint: 16 problems x 8 samples = 128 samples of up to 16 tokens per
+# step, rewarded by the task's own scorer, importance-sampling loss. Most groups are all-correct (no signal), so
+# more problems per step, not a higher LR, is what helps: docs/demo-rl-tuning.md.
 DEMO_RL = {
     "init_from": "latest:dpo",
     "env": "problems",
     "group_size": 8,
-    "groups_per_batch": 8,
+    "groups_per_batch": 16,
     "max_tokens": 16,
     "learning_rate": 2e-4,
     "lora_rank": 16,
