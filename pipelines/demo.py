@@ -70,19 +70,19 @@ DPO_STAGE = DemoStage(
         "dpo_checkpoint": {"config": {**DEMO_DPO, "pairs": "onpolicy_pairs", "init_from": "latest:sft"}},
     },
 )
-# RL on the same task, from the DPO checkpoint: 16 problems x 8 samples = 128 samples of up to 16 tokens per
-# step, rewarded by the task's own scorer, importance-sampling loss. Most groups are all-correct (no signal), so
-# more problems per step, not a higher LR, is what helps: docs/demo-rl-tuning.md.
+# RL on the same task, from the DPO checkpoint: 40 steps of 16 problems x 8 samples (128 samples of up to 16
+# tokens), rewarded by the task's own scorer, importance-sampling loss. Most groups are all-correct (no signal):
+# more problems per step and more steps at a low LR help; a higher LR collapses the policy (docs/demo-rl-tuning.md).
 DEMO_RL = {
     "init_from": "latest:dpo",
     "env": "problems",
     "group_size": 8,
     "groups_per_batch": 16,
     "max_tokens": 16,
-    "learning_rate": 2e-4,
+    "learning_rate": 1e-4,
     "lora_rank": 16,
-    "max_steps": 20,
-    "save_every": 10,
+    "max_steps": 40,
+    "save_every": 20,
 }
 RL_STAGE = DemoStage("rl", {"rl_problems": {"config": DEMO_DATA}, "rl_checkpoint": {"config": DEMO_RL}})
 STAGES: tuple[DemoStage, ...] = (SFT_STAGE, DPO_STAGE, RL_STAGE)
