@@ -6,15 +6,12 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import click
-import httpx
 import pytest
 import tinker
 from tinker import types
@@ -23,7 +20,7 @@ from tinker.lib.public_interfaces.admin_client import AdminClient
 
 from localtinker.sdk_surface import CLI_COMMANDS, HOSTED, SDK_METHODS, WORKS, document
 from tests.fixtures.network import free_port
-from tests.fixtures.server import LOCAL_API_KEY, TINY_MODEL
+from tests.fixtures.server import LOCAL_API_KEY, TINY_MODEL, serve_subprocess
 
 REPO = Path(__file__).resolve().parents[2]
 CLIENTS = (tinker.ServiceClient, tinker.TrainingClient, tinker.SamplingClient, tinker.RestClient, AdminClient)
@@ -69,28 +66,8 @@ def test_the_docs_table_is_the_module() -> None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    storage, port = tmp_path_factory.mktemp("surface-storage"), free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "localtinker", "serve", "--port", str(port), "--storage", str(storage),
-         "--api-key", LOCAL_API_KEY, "--log-level", "warning"],
-        cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, process.stderr.read().decode()[-2000:]
-            try:
-                if httpx.get(f"{base_url}/api/v1/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up within 90 s"
-            time.sleep(0.2)
+    with serve_subprocess(tmp_path_factory.mktemp("surface-storage"), free_port(), "--api-key", LOCAL_API_KEY) as base_url:
         yield base_url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(30)
 
 
 def _cli(base_url: str, *args: str) -> str:

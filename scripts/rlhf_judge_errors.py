@@ -1,6 +1,6 @@
 """What a trained preference model gets wrong: every held-out comparison judged, the misjudged ones printed.
 
-    POSTTRAIN_STATE_DIR=/tmp/rlhf-tuning .venv/bin/python bench/rlhf_judge_errors.py [partition] [--show 20]
+    POSTTRAIN_STATE_DIR=/tmp/rlhf-tuning .venv/bin/python scripts/rlhf_judge_errors.py [partition] [--show 20]
 
 Judges the held-out rows of the comparisons table the preference model (default: the newest) was trained on,
 in both orders, and prints the comparison accuracy ± s.e. (n), the accuracy with the chosen first / second,
