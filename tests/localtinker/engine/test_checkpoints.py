@@ -43,10 +43,13 @@ def test_restore_with_optimizer_continues_exactly_across_a_restart(engine, engin
     metrics = train_steps(restarted, resumed, [3, 4])
     assert metrics[-1]["step"] == 4.0
     expected = engine.lora_weights(straight)
-    for key, value in restarted.lora_weights(resumed).items():
-        # to float32 rounding: oneDNN's sum order follows buffer alignment, which differs run to run
-        diff = (value - expected[key]).abs().max().item()
-        assert diff <= 1e-5 * expected[key].abs().max().item(), (key, diff)
+
+    def close_to_expected(weights: dict) -> bool:
+        # To float32 rounding: oneDNN's sum order follows buffer alignment, which differs run to run, and Adam's
+        # m/√v turns a rounding difference in a near-zero moment into up to ~1e-5 of the weights' scale.
+        return all((value - expected[key]).abs().max().item() <= 1e-4 * expected[key].abs().max().item() for key, value in weights.items())
+
+    assert close_to_expected(restarted.lora_weights(resumed))
 
     fresh = new_id()
     restarted.load_state(fresh, path, with_optimizer=False, base_model=None)
@@ -56,6 +59,7 @@ def test_restore_with_optimizer_continues_exactly_across_a_restart(engine, engin
     assert metrics[-1]["step"] == 2.0  # moments and step were reset
     diverged = restarted.lora_weights(fresh)
     assert any(not torch.allclose(diverged[k], expected[k], atol=1e-6) for k in expected)
+    assert not close_to_expected(diverged)  # the tolerance above still tells a reset optimizer from a restored one
 
 
 def test_load_state_restores_weights_without_optimizer(engine, new_id):
