@@ -35,6 +35,11 @@ class ParentCheckpoint:
     def partition(self) -> str | None:
         return self.manifest.partition if self.manifest else None
 
+    @property
+    def sampler_path(self) -> str | None:
+        """The parent's sampler weights (the RL recipes' KL reference); None for a raw path no manifest owns."""
+        return self.manifest.sampler_path if self.manifest else None
+
     def describe(self) -> str:
         return f"{self.partition} ({self.state_path})" if self.manifest else self.state_path
 

@@ -68,8 +68,12 @@ def build_code_rl(inputs: RecipeInputs) -> RecipeRun:
             f"code_rl_checkpoint: cannot build the code env from {CODE_PROBLEMS_ASSET} "
             f"(env_options={config.env_options}, renderer={config.renderer!r}): {error}"
         ) from error
+    try:
+        recipe = RLRecipe(config, dataset, tokenizer, inputs.parent.sampler_path if inputs.parent else None)
+    except ValueError as error:
+        raise dg.Failure(f"code_rl_checkpoint: {error}") from error
     return RecipeRun(
-        RLRecipe(config, dataset, tokenizer),
+        recipe,
         row_sinks=[JsonlRowSink(Path(inputs.log_dir) / ROLLOUTS_FILE)],
         related={"env": {"name": CODE_ENV, "options": dict(config.env_options), "problems_table": True}},
         renderer=renderer.name,

@@ -78,8 +78,12 @@ def build_rl(inputs: RecipeInputs) -> RecipeRun:
         raise dg.Failure(
             f"rl_checkpoint: cannot build env={config.env!r} (env_options={config.env_options}, renderer={config.renderer!r}): {error}"
         ) from error
+    try:
+        recipe = RLRecipe(config, dataset, tokenizer, inputs.parent.sampler_path if inputs.parent else None)
+    except ValueError as error:
+        raise dg.Failure(f"rl_checkpoint: {error}") from error
     return RecipeRun(
-        RLRecipe(config, dataset, tokenizer),
+        recipe,
         row_sinks=[JsonlRowSink(Path(inputs.log_dir) / ROLLOUTS_FILE)],
         related={"env": {"name": TABLE_ENV, "options": dict(config.env_options), "problems_table": True,
                          "format_coef": config.format_coef}},

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import tinker
 
@@ -28,8 +28,6 @@ from posttrain.supervised.recipe import SupervisedRecipe
 from posttrain.training.config import documented
 
 PromptTable = Literal["rl_problems", "onpolicy_comparisons", "preference_comparisons"]
-KLReference = Literal["parent", "base"]
-KL_REFERENCES: tuple[str, ...] = get_args(KLReference)
 
 
 @dataclass
@@ -72,9 +70,6 @@ class RLHFConfig(RLConfig):
     tournament: TournamentPattern = documented("all_pairs_one_way", "Pairs judged per group: all_pairs_one_way (i<j) or all_pairs_both_ways.")
     tournament_chunk_size: int = documented(0, "> 1: tournaments only within chunks of this many samples (fewer judgements); 0 = whole group.")
     judge_orders: Orders = documented("both", "both: each pair judged in both orders and averaged (cancels position bias); one: as given.")
-    kl_reference: KLReference = documented(
-        "parent", "With kl_penalty_coef > 0, the policy the KL is measured from: parent (the checkpoint RLHF starts from) or base."
-    )
 
     def problems(self) -> list[str]:
         found = super().problems()
@@ -84,8 +79,6 @@ class RLHFConfig(RLConfig):
             found.append(f"tournament_chunk_size must be 0 or >= 2, got {self.tournament_chunk_size}")
         if self.judge_orders not in ORDERS:
             found.append(f"judge_orders {self.judge_orders!r} is not one of {ORDERS}")
-        if self.kl_reference not in KL_REFERENCES:
-            found.append(f"kl_reference {self.kl_reference!r} is not one of {KL_REFERENCES}")
         if self.group_size < 2:
             found.append(f"group_size must be >= 2 for a tournament, got {self.group_size}")
         return found
@@ -105,28 +98,14 @@ class RLHFRecipe(RLRecipe):
     ):
         if not judge_path.startswith("tinker://"):
             raise ValueError(f"judge_path must be the preference model's tinker://.../sampler_weights/... path, got {judge_path!r}")
-        if config.kl_penalty_coef > 0 and config.kl_reference == "parent" and not parent_sampler_path:
-            raise ValueError(
-                "kl_reference='parent' needs the parent checkpoint's sampler weights: start from a registered checkpoint "
-                "(init_from) or set kl_reference='base'"
-            )
-        super().__init__(config, dataset, tokenizer)
+        super().__init__(config, dataset, tokenizer, parent_sampler_path)
         self.preference_dataset = dataset
         self.comparison_renderer = comparison_renderer
         self.judge_path = judge_path
-        self.parent_sampler_path = parent_sampler_path
 
     def identity(self) -> dict[str, Any]:
         config: RLHFConfig = self.config  # type: ignore[assignment]
-        return {**super().identity(), "preference_model": self.judge_path, "judge_orders": config.judge_orders,
-                "kl_reference": self.parent_sampler_path if config.kl_reference == "parent" else "base"}
-
-    def kl_reference(self, service_client: tinker.ServiceClient) -> tinker.SamplingClient:
-        """The parent by default: RLHF should stay near the SFT policy it refines, not drift back to the base model."""
-        config: RLHFConfig = self.config  # type: ignore[assignment]
-        if config.kl_reference == "parent" and self.parent_sampler_path:
-            return service_client.create_sampling_client(model_path=self.parent_sampler_path).result()
-        return super().kl_reference(service_client)
+        return {**super().identity(), "preference_model": self.judge_path, "judge_orders": config.judge_orders}
 
     def start(self, training_client: tinker.TrainingClient, service_client: tinker.ServiceClient, start_step: int) -> None:
         config: RLHFConfig = self.config  # type: ignore[assignment]

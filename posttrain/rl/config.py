@@ -14,9 +14,11 @@ from posttrain.training.config import TrainingConfig, documented
 LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "gspo"]
 Mode = Literal["sync", "streaming", "async"]
 StalePolicy = Literal["drop", "requeue"]
+KLReference = Literal["parent", "base"]
 LOSS_NAMES: tuple[str, ...] = get_args(LossName)
 MODES: tuple[str, ...] = get_args(Mode)
 STALE_POLICIES: tuple[str, ...] = get_args(StalePolicy)
+KL_REFERENCES: tuple[str, ...] = get_args(KLReference)
 
 
 @dataclass
@@ -53,7 +55,12 @@ class RLConfig:
     # Advantages
     scale_advantages_by_std: bool = documented(False, "Divide advantages by the group's reward std (off: it over-weights near-constant groups).")
     remove_constant_reward_groups: bool = documented(True, "Skip groups whose samples all got the same reward (zero advantage, no signal).")
-    kl_penalty_coef: float = documented(0.0, "> 0: penalise divergence from the base model (a reference sampler), folded into the advantages.")
+    kl_penalty_coef: float = documented(0.0, "> 0: penalise divergence from kl_reference (a reference sampler), folded into the advantages.")
+    kl_reference: KLReference = documented(
+        "parent",
+        "With kl_penalty_coef > 0, the policy the KL is measured from: parent (the checkpoint the run starts from; the base "
+        "model when it starts from none) or base.",
+    )
     kl_discount: float = documented(0.0, "Discount of the per-token KL penalty summed over later tokens (0 = per token only).")
     # Driver
     mode: Mode = documented("sync", "sync (sample then train), streaming (train minibatches as groups finish) or async (off-policy).")
@@ -83,6 +90,8 @@ class RLConfig:
             found.append(f"max_steps_off_policy must be >= 0, got {self.max_steps_off_policy}")
         if self.kl_penalty_coef < 0:
             found.append(f"kl_penalty_coef must be >= 0, got {self.kl_penalty_coef}")
+        if self.kl_reference not in KL_REFERENCES:
+            found.append(f"kl_reference {self.kl_reference!r} is not one of {KL_REFERENCES}")
         if not 0.0 <= self.kl_discount < 1.0:
             found.append(f"kl_discount must be in [0, 1), got {self.kl_discount}")
         if self.temperature <= 0:

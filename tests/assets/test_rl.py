@@ -6,6 +6,8 @@ import dagster as dg
 import pyarrow as pa
 import pytest
 
+from assets.chaining import ParentCheckpoint
+from assets.checkpoint_manifest import CheckpointManifest
 from assets.config_bridge import DEFAULT_DOC, library_config
 from assets.rl import RL, build_rl
 from assets.rollouts import band, curve_markdown, groups_markdown, plot_curve, rollout_table, step_summary, summary_table
@@ -21,10 +23,11 @@ def problems_table() -> pa.Table:
     return load(LoadSpec(kind="rl", source="reasoning_gym:basic_arithmetic", limit=12, heldout_fraction=0.25)).table
 
 
-def _inputs(tmp_path: Path, table: pa.Table, **values) -> RecipeInputs:
+def _inputs(tmp_path: Path, table: pa.Table, parent: ParentCheckpoint | None = None, **values) -> RecipeInputs:
     config = RLConfig(**values)
     config.training.base_model, config.training.log_dir = TINY_MODEL, str(tmp_path / "run")
-    return RecipeInputs(None, config, None, {"rl_problems": table}, {}, TINY_MODEL, None, None, str(tmp_path / "run"))
+    config.training.init_from = parent.state_path if parent else None
+    return RecipeInputs(None, config, None, {"rl_problems": table}, {}, TINY_MODEL, parent, None, str(tmp_path / "run"))
 
 
 def test_launchpad_config_documents_every_field_and_takes_dict_options():
@@ -46,6 +49,22 @@ def test_problems_env_trains_on_the_train_split_and_writes_rollouts_under_the_lo
     assert [Path(sink.path) for sink in run.row_sinks] == [tmp_path / "run" / "rollouts.jsonl"]
     assert run.renderer == "chatml"
     assert run.related["env"] == {"name": "problems", "options": {}, "problems_table": True, "format_coef": 0.1}
+
+
+def test_the_kl_penalty_is_measured_from_the_parent_checkpoint_the_run_starts_from(tmp_path, problems_table):
+    state, sampler = "tinker://sft-run/weights/000040", "tinker://sft-run/sampler_weights/000040"
+    manifest = CheckpointManifest(
+        partition="sft-abc-000040", recipe="sft", name="sft", step=40, epoch=None, final=True, state_path=state,
+        sampler_path=sampler, base_model=TINY_MODEL, base_model_digest="", renderer="chatml", training_dagster_run_id="",
+        training_asset="sft_checkpoint", log_dir="", mlflow_run_id="", mlflow_run_url="", registered_model="", model_version="",
+    )
+    values = {"env": "problems", "group_size": 2, "groups_per_batch": 2, "kl_penalty_coef": 0.05}
+    run = build_rl(_inputs(tmp_path, problems_table, ParentCheckpoint(state, manifest), **values))
+    assert run.recipe.identity()["rl"]["kl_reference"] == sampler
+    # A raw tinker:// path that no registered checkpoint owns has no sampler weights to measure the KL from.
+    with pytest.raises(dg.Failure, match="kl_reference='base'"):
+        build_rl(_inputs(tmp_path, problems_table, ParentCheckpoint(state, None), **values))
+    assert build_rl(_inputs(tmp_path, problems_table, ParentCheckpoint(state, None), kl_reference="base", **values)).recipe
 
 
 @pytest.mark.parametrize("env", ["gsm8k", "arithmetic", "guess_number", "reasoning_gym:chain_sum"])

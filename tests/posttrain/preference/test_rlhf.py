@@ -61,26 +61,11 @@ def test_rlhf_refuses_a_judge_that_is_not_a_tinker_path_and_a_bad_tournament(tmp
         PreferenceModelRecipe(PreferenceModelConfig(training=training(tmp_path, "z")), [], renderer)
 
 
-class RecordingService:
-    """Records which sampler a recipe asks for (the test is about the choice, not about sampling)."""
-
-    def __init__(self):
-        self.calls: list[dict] = []
-
-    def create_sampling_client(self, **kwargs):
-        self.calls.append(kwargs)
-        return type("Done", (), {"result": lambda _self: kwargs})()
-
-
-def test_the_kl_penalty_is_measured_from_the_parent_unless_base_is_asked_for(tmp_path):
+def test_rlhf_measures_its_kl_from_the_sft_parent_it_starts_from(tmp_path):
+    """The choice itself is the RL recipe's (tests/posttrain/rl/test_recipe.py); RLHF passes its parent through."""
     renderer = ComparisonRenderer(get_renderer("chatml", tiny_tokenizer()))
     dataset = PreferenceDataset(prompts_from_comparisons(comparisons_table(4)), renderer.renderer, group_size=2, groups_per_batch=1)
     judge, parent = "tinker://pm/sampler_weights/1", "tinker://sft/sampler_weights/40"
-    with pytest.raises(ValueError, match="kl_reference='parent' needs the parent"):
-        RLHFRecipe(RLHFConfig(training=training(tmp_path, "a"), kl_penalty_coef=0.05), dataset, renderer, judge)
-    service = RecordingService()
-    recipe = RLHFRecipe(RLHFConfig(training=training(tmp_path, "b"), kl_penalty_coef=0.05), dataset, renderer, judge, None, parent)
-    assert recipe.kl_reference(service) == {"model_path": parent} and recipe.identity()["kl_reference"] == parent
-    base = RLHFRecipe(RLHFConfig(training=training(tmp_path, "c"), kl_penalty_coef=0.05, kl_reference="base"), dataset, renderer, judge)
-    assert base.kl_reference(service) == {"base_model": TINY_MODEL} and base.identity()["kl_reference"] == "base"
-    assert any("kl_reference 'sft'" in p for p in RLHFConfig(training=training(tmp_path, "d"), kl_reference="sft").problems())
+    config = RLHFConfig(training=training(tmp_path, "b", init_from="tinker://sft/weights/40"), kl_penalty_coef=0.05)
+    recipe = RLHFRecipe(config, dataset, renderer, judge, None, parent)
+    assert recipe.identity()["rl"]["kl_reference"] == parent and recipe.identity()["preference_model"] == judge

@@ -123,6 +123,43 @@ def test_bad_rl_config_is_refused_with_every_problem_named(tmp_path):
         make_config(tmp_path, loss_fn="dro").validate()
 
 
+class RecordingService:
+    """Records which sampler a recipe asks for (the test is about the choice, not about sampling)."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def create_sampling_client(self, **kwargs):
+        self.calls.append(kwargs)
+        return type("Done", (), {"result": lambda _self: kwargs})()
+
+
+def test_the_kl_penalty_is_measured_from_the_parent_checkpoint_unless_base_is_asked_for(tmp_path):
+    renderer = get_renderer("chatml", tiny_tokenizer())
+    dataset = build_rl_dataset("arithmetic", renderer, group_size=2, groups_per_batch=1, seed=0, num_batches=1)
+    parent_state, parent_sampler = "tinker://sft/weights/40", "tinker://sft/sampler_weights/40"
+
+    def config(**overrides) -> RLConfig:
+        values = {"kl_penalty_coef": 0.05, **overrides}
+        init_from = values.pop("init_from", parent_state)
+        made = make_config(tmp_path, **values)
+        made.training.init_from = init_from
+        return made
+
+    with pytest.raises(ValueError, match="kl_reference='parent' needs the sampler weights of the parent checkpoint tinker://sft/weights/40"):
+        RLRecipe(config(), dataset)
+    service = RecordingService()
+    from_parent = RLRecipe(config(), dataset, None, parent_sampler)
+    assert from_parent.kl_reference(service) == {"model_path": parent_sampler}
+    assert from_parent.identity()["rl"]["kl_reference"] == parent_sampler
+    from_base = RLRecipe(config(kl_reference="base"), dataset, None, parent_sampler)
+    assert from_base.kl_reference(service) == {"base_model": TINY_MODEL} and from_base.identity()["rl"]["kl_reference"] == "base"
+    # A run that starts from no checkpoint has the base model as its parent.
+    fresh = RLRecipe(config(init_from=None), dataset, None, parent_sampler)
+    assert fresh.kl_reference(service) == {"base_model": TINY_MODEL} and fresh.identity()["rl"]["kl_reference"] == "base"
+    assert any("kl_reference 'sft'" in problem for problem in config(kl_reference="sft").problems())
+
+
 def test_rl_recipe_trains_through_the_core_with_checkpoints_and_rows(service_client, tmp_path):
     config = make_config(tmp_path, num_batches=2, kl_penalty_coef=0.05)
     config.training.save_every = 1
