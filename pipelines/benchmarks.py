@@ -240,10 +240,14 @@ def run_cli(reference: str | None, tasks: list[str], limit: int, max_tokens: int
         return status
 
 
-def refresh_leaderboard(instance: dg.DagsterInstance, mlflow: MlflowResource, tags: dict[str, str] | None = None) -> dict[str, Any]:
+def refresh_leaderboard(
+    instance: dg.DagsterInstance, mlflow: MlflowResource, tags: dict[str, str] | None = None, run_config: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Materializes ``leaderboard`` and returns its metadata values (``leaderboard`` markdown, ``chart`` and
-    ``table`` paths); a failed run raises RuntimeError with the reason."""
-    outcome = dg.materialize([leaderboard], instance=instance, resources={"mlflow": mlflow}, raise_on_error=False, tags=tags)
+    ``table`` paths); a failed run raises RuntimeError with the reason. ``run_config``: e.g. the console log level."""
+    outcome = dg.materialize(
+        [leaderboard], instance=instance, resources={"mlflow": mlflow}, raise_on_error=False, tags=tags, run_config=run_config
+    )
     if not outcome.success:
         raise RuntimeError(f"leaderboard: {failure_message(outcome)}")
     return {name: getattr(value, "value", value) for name, value in outcome.asset_materializations_for_node("leaderboard")[0].metadata.items()}

@@ -190,7 +190,7 @@ def run_benchmark_stage(defs: dg.Definitions, instance: dg.DagsterInstance, mode
         run = job.execute_in_process(instance=instance, partition_key=key.partition, run_config=run_config, tags={"posttrain/trigger": "demo"})
         if not run.success:
             raise RuntimeError(f"benchmark {key.partition} failed (run {run.run_id}); see `make ui`")
-    metadata = refresh_leaderboard(instance, defs.resources["mlflow"], tags={"posttrain/trigger": "demo"})
+    metadata = refresh_leaderboard(instance, defs.resources["mlflow"], tags={"posttrain/trigger": "demo"}, run_config=QUIET)
     rows = board.rows_from_table(pq.read_table(metadata["table"]))
     shown = [row for row in rows if any(row.model == key.model and row.benchmark == key.benchmark for key in keys)]
     return BenchmarkStageResult([key.partition for key in keys], limit, board.text(shown), str(metadata["chart"]), time.monotonic() - started)
