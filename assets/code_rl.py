@@ -69,7 +69,7 @@ def build_code_rl(inputs: RecipeInputs) -> RecipeRun:
             f"(env_options={config.env_options}, renderer={config.renderer!r}): {error}"
         ) from error
     try:
-        recipe = RLRecipe(config, dataset, tokenizer, inputs.parent.sampler_path if inputs.parent else None)
+        recipe = RLRecipe(config, dataset, tokenizer, inputs.parent_sampler_path)
     except ValueError as error:
         raise dg.Failure(f"code_rl_checkpoint: {error}") from error
     return RecipeRun(

@@ -79,7 +79,7 @@ def build_rl(inputs: RecipeInputs) -> RecipeRun:
             f"rl_checkpoint: cannot build env={config.env!r} (env_options={config.env_options}, renderer={config.renderer!r}): {error}"
         ) from error
     try:
-        recipe = RLRecipe(config, dataset, tokenizer, inputs.parent.sampler_path if inputs.parent else None)
+        recipe = RLRecipe(config, dataset, tokenizer, inputs.parent_sampler_path)
     except ValueError as error:
         raise dg.Failure(f"rl_checkpoint: {error}") from error
     return RecipeRun(

@@ -114,8 +114,7 @@ def build_rlhf(inputs: RecipeInputs) -> RecipeRun:
             settings=TournamentSettings(config.tournament, config.tournament_chunk_size, config.format_coef),
         )
         judge_renderer = ComparisonRenderer(get_renderer(judge.renderer or config.renderer, tokenizer))
-        parent_sampler = inputs.parent.sampler_path if inputs.parent else None
-        recipe = RLHFRecipe(config, dataset, judge_renderer, judge.sampler_path or "", tokenizer, parent_sampler)
+        recipe = RLHFRecipe(config, dataset, judge_renderer, judge.sampler_path or "", tokenizer, inputs.parent_sampler_path)
     except (ValueError, KeyError) as error:
         raise dg.Failure(f"{RECIPE}_checkpoint: {asset} {version.data_version}: {error}") from error
     return RecipeRun(

@@ -67,6 +67,11 @@ class RecipeInputs:
     def data_version(self, asset: str) -> str:
         return self.versions[asset].data_version
 
+    @property
+    def parent_sampler_path(self) -> str | None:
+        """The parent checkpoint's sampler weights (the RL recipes' KL reference); None without a registered parent."""
+        return self.parent.sampler_path if self.parent else None
+
 
 @dataclass
 class RecipeRun:
