@@ -233,6 +233,7 @@ def profile_ours(run: Callable[[], object], label: str) -> None:
 
 def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | None, profile: bool = False) -> None:
     from localtinker.engine.api import LoraSpec
+    from localtinker.engine.static_decode import pooled_decoders
 
     shape = SHAPES[key] if DEVICE.type == "cuda" else {**SHAPES[key], **SMOKE, "head_dim": 16}
     print(f"== {shape['name']} (vocab {shape['vocab_size']}, LoRA r{RANK} attn+MLP, bf16)", flush=True)
@@ -329,6 +330,10 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
         say(f"{key}.sample_ratio", count * new / ours_sample / results[f"{key}.hf.sample_tok_s"], "x")
     if bandwidth:
         say(f"{key}.ours.bandwidth_share", weight_bytes(base) * new / ours_sample / bandwidth)
+    decoders = pooled_decoders(engine._hosts[name].base.model)
+    say(f"{key}.ours.decode_graphs", float(sum(d.captured_graphs for d in decoders if d.use_graphs)))
+    for error in {d.graph_error for d in decoders if d.graph_error}:
+        print(f"  {key}: decode graphs off: {error}", flush=True)
     if big:  # the memory check: 64 × 512 sampled on the same card that trained 8 × 2048
         reset_peak()
         long_run = timed(lambda: our_sample(engine, f"sampler-{key}", prompts, 4 * new), 0)

@@ -134,17 +134,21 @@ class _Host:
 
 class LocalEngine:
     def __init__(self, storage_dir: Path, dtype: str = "float32", num_threads: int | None = None,
-                 device: str | torch.device = "cpu", portable: bool | None = None) -> None:
+                 device: str | torch.device = "cpu", portable: bool | None = None,
+                 static_decode: bool | None = None) -> None:
         """``num_threads`` sets torch's (process-wide) intra-op threads; None keeps torch's default. On a
         2-core machine shared with other busy processes, 1 thread is several times faster than 2.
         ``device``: ``cpu``, ``cuda[:N]`` or ``auto`` (device.py). ``portable``: None = the portable path off
-        the CPU and for models the CPU kernels do not cover; True = always (the CUDA path's code on the CPU)."""
+        the CPU and for models the CPU kernels do not cover; True = always (the CUDA path's code on the CPU).
+        ``static_decode``: the portable sampler decodes over a preallocated cache (static_decode.py; CUDA graphs
+        on a GPU); None = on CUDA devices only."""
         from localtinker.engine.device import resolve_device
 
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.portable = True if self.device.type != "cpu" else portable
+        self.static_decode = self.device.type == "cuda" if static_decode is None else static_decode
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         if self.device.type == "cpu":
@@ -524,7 +528,8 @@ class LocalEngine:
     def sample_stream(self) -> "RoutedSampleStream":
         """Continuous batching over this engine's samplers: requests join and leave between decode steps; each
         request goes to its base model's path (the tuned CPU stream, or the portable one)."""
-        return RoutedSampleStream(SampleStream(self), PortableSampleStream(self), self._sampler_is_portable)
+        portable = PortableSampleStream(self, static_decode=self.static_decode)
+        return RoutedSampleStream(SampleStream(self), portable, self._sampler_is_portable)
 
     def _sampler_is_portable(self, sampler_id: str) -> bool:
         sampler = self._samplers.get(sampler_id)
@@ -570,6 +575,7 @@ class LocalEngine:
             pad_token_id=pad,
             activate=lambda: host.adapters.activated(adapter),
             release=release,
+            adapter=adapter,
         )
 
     def _resident_adapter(self, host: _Host, sampler: _Sampler) -> str | None:

@@ -7,6 +7,9 @@ the next step: their distinct prompts are prefilled together (each prompt once, 
 samples) and merged into the batch; finished rows leave, and columns no row attends to any more are dropped.
 Attention, masks (sliding windows included) and the model's own layers are transformers'; the logits go
 through ``chunked_logprobs.output_logits``, the trainer's function, so sampler and trainer agree.
+With ``static_decode`` (the default on a GPU) the decode steps of the Llama-shaped families run instead
+over ``static_decode.StaticDecoder``'s preallocated cache, each step one CUDA graph replay; prefill stays
+transformers'.
 Admission is bounded by the same KV budget as the CPU stream (prompt + samples × min(max_tokens, 1024)).
 """
 
@@ -25,6 +28,7 @@ from localtinker.engine.families import final_softcap
 from localtinker.engine.kv_rows import RowCache, first_used_column, left_pad, select_rows
 from localtinker.engine.sample_stream import RESERVED_TOKENS_PER_SAMPLE, SamplingBackend, SamplingTarget
 from localtinker.engine.sampler import SampleRow, record_token, rows_for
+from localtinker.engine.static_decode import StaticDecoder, static_decode_supported
 from localtinker.engine.token_choice import choose_tokens_on_device
 
 # Σ (prompt + samples × min(max_tokens, 1024)) admitted at once. A GPU holds far more keys than a CPU can
@@ -55,7 +59,7 @@ class _Request:
 class _Batch:
     """The running rows of one set of weights."""
 
-    def __init__(self, target: SamplingTarget) -> None:
+    def __init__(self, target: SamplingTarget, static: bool = False) -> None:
         self.target = target
         model = target.model
         self.decoder = model.get_decoder()
@@ -67,6 +71,18 @@ class _Batch:
         self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
         self.positions = torch.zeros((0,), dtype=torch.long, device=self.device)
         self.last = torch.zeros((0,), dtype=torch.long, device=self.device)
+        self.static: StaticDecoder | None = None
+        self.next_positions: list[int] = []  # static decode: each row's next position, on the host
+        if static and static_decode_supported(model):
+            self.static = StaticDecoder.acquire(model)
+            self.static.set_adapter(target.adapter)
+
+    def close(self, reusable: bool) -> None:
+        """Returns the static decoder (its buffers and graphs) to the model's pool, unless a failure may have
+        left it half-written."""
+        if self.static is not None and reusable:
+            self.static.release()
+        self.static = None
 
     def admit(self, requests: list[_Request]) -> list[_Request]:
         """Prefills the requests' prompts and draws their first tokens; returns requests already complete."""
@@ -102,12 +118,27 @@ class _Batch:
             return done
         chosen = torch.tensor(index, device=self.device)
         first_logits = output_logits(hidden[chosen, -1], self.lm_head, self.softcap)
+        if self.static is not None:
+            start = len(self.rows)
+            self.rows += new_rows
+            self.next_positions += [len(row.request.spec.prompt_tokens) for row in new_rows]
+            self.static.reserve(len(self.rows), max(self.next_positions) + 1)
+            layers = [(layer.keys[chosen], layer.values[chosen]) for layer in cache.layers]
+            self.static.write_prompts(start, layers, mask[chosen], positions[chosen, -1] + 1)
+            return done + self._record(first_logits, new_rows, start=start)
         new_cache, new_mask = select_rows(cache, mask, chosen)
         self._merge(new_rows, new_cache, new_mask, positions[chosen, -1] + 1)
         return done + self._record(first_logits, new_rows, start=len(self.rows) - len(new_rows))
 
     def step(self) -> list[_Request]:
         """One decode step for every row; returns the requests whose last row just finished."""
+        if self.static is not None:
+            rows, last = len(self.rows), max(self.next_positions)
+            self.static.reserve(rows, last + 1)
+            logits = self.static.step(rows, last)
+            self.static.positions[:rows] += 1
+            self.next_positions = [p + 1 for p in self.next_positions]
+            return self._record(logits, self.rows, start=0)
         self.mask = torch.cat([self.mask, torch.ones((len(self.rows), 1), dtype=torch.long, device=self.device)], 1)
         hidden = self.decoder(input_ids=self.last[:, None], attention_mask=self.mask, position_ids=self.positions[:, None],
                               past_key_values=self.cache, use_cache=True).last_hidden_state[:, -1]
@@ -116,7 +147,7 @@ class _Batch:
 
     def _record(self, logits: torch.Tensor, rows: list[SampleRow], start: int) -> list[_Request]:
         tokens, logprobs = choose_tokens_on_device(logits, rows)
-        self.last[start : start + len(rows)] = tokens
+        (self.static.tokens if self.static is not None else self.last)[start : start + len(rows)] = tokens
         done: list[_Request] = []
         tokenizer = self.target.tokenizer
         for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist()):
@@ -149,6 +180,10 @@ class _Batch:
 
     def _keep(self, keep: list[int]) -> None:
         self.rows = [self.rows[i] for i in keep]
+        if self.static is not None:
+            self.next_positions = [self.next_positions[i] for i in keep]
+            self.static.keep(torch.tensor(keep, dtype=torch.long, device=self.device), len(keep))
+            return
         if not keep:
             self.cache, self.mask = None, self.mask[:0]
             self.positions, self.last = self.positions[:0], self.last[:0]
@@ -172,9 +207,11 @@ class _Batch:
 class PortableSampleStream:
     """``submit`` / ``step`` / ``busy`` as :class:`~localtinker.engine.sample_stream.SampleStream`."""
 
-    def __init__(self, backend: SamplingBackend, budget_tokens: int = PORTABLE_BATCH_TOKENS) -> None:
+    def __init__(self, backend: SamplingBackend, budget_tokens: int = PORTABLE_BATCH_TOKENS,
+                 static_decode: bool = False) -> None:
         self.backend = backend
         self.budget_tokens = budget_tokens
+        self.static_decode = static_decode
         self._pending: deque[_Request] = deque()
         self._rejected: Completed = []
         self._batches: dict[str, _Batch] = {}
@@ -220,7 +257,8 @@ class PortableSampleStream:
         batch = self._batches.get(weights)
         try:
             if batch is None:
-                batch = self._batches[weights] = _Batch(self.backend.sampling_target(requests[0].sampler_id))
+                target = self.backend.sampling_target(requests[0].sampler_id)
+                batch = self._batches[weights] = _Batch(target, self.static_decode)
             # Adapters load outside inference mode (their parameters must stay ordinary tensors).
             with batch.target.activate(), torch.inference_mode():
                 done = action(batch)
@@ -230,9 +268,11 @@ class PortableSampleStream:
             completed = [(key, error) for key in keys]
             if batch is not None:
                 batch.rows = []
+                batch.close(reusable=False)
         for key, _ in completed:
             self._admitted.pop(key, None)
         if batch is not None and not batch.rows:
             del self._batches[weights]
+            batch.close(reusable=True)
             batch.target.release()
         return completed

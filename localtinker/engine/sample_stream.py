@@ -55,6 +55,7 @@ class SamplingTarget:
     pad_token_id: int
     activate: Callable[[], AbstractContextManager]
     release: Callable[[], None]  # the weights may be evicted again once their batch has drained
+    adapter: str | None = None  # the peft adapter ``activate`` switches on (None: the bare base model)
 
 
 class SamplingBackend(Protocol):

@@ -106,3 +106,30 @@ def test_bf16_sampler_matches_the_trainer(cuda_bf16):
             errors.append(np.abs(np.array(sequence.logprobs) - trainer))
     errors = np.concatenate(errors)
     assert errors.mean() < BF16_MEAN and errors.max() < BF16_MAX, (errors.mean(), errors.max())
+
+
+def test_decode_graphs_agree_with_the_trainer(tmp_path):
+    """The static decode step replayed as CUDA graphs (the GPU's default sampler), in float32, across row
+    compaction and cache growth: its logprobs are the trainer's on the tokens it drew. (Tokens are not compared
+    with the dynamic cache's: a tiny random model's near-uniform distribution turns float32 kernel noise into
+    a different draw within a few dozen steps.)"""
+    from localtinker.engine.static_decode import MIN_COLUMNS, pooled_decoders
+
+    lengths = (4, 40, MIN_COLUMNS + 10)  # rows leave at different steps; the last grows the cache
+    specs = [SampleSpec(prompt_tokens=tuple(range(100 + 7 * i, 120 + 9 * i)), num_samples=3, max_tokens=n, seed=i,
+                        stop_token_ids=()) for i, n in enumerate(lengths)]
+    engine = LocalEngine(tmp_path, dtype="float32", device="cuda")
+    engine.create_model("cuda:train:graphs", TINY, LoraSpec(rank=4, seed=1))
+    _random_b(engine, "cuda:train:graphs")
+    engine.create_ephemeral_sampler("graphs", "cuda:train:graphs")
+    results = engine.sample_batch([("graphs", spec) for spec in specs])
+    (decoder,) = pooled_decoders(engine._hosts[TINY].base.model)
+    assert decoder.use_graphs and decoder.captured_graphs >= 1, decoder.graph_error
+    assert decoder.columns == 2 * MIN_COLUMNS  # graphs captured again after the cache grew
+    for spec, result in zip(specs, results):
+        assert not isinstance(result, Exception), result
+        for sequence in result.sequences:
+            assert len(sequence.tokens) == spec.max_tokens
+            full = np.array(spec.prompt_tokens + tuple(sequence.tokens))
+            trainer = _trainer(engine, "cuda:train:graphs", full)[len(spec.prompt_tokens) - 1 :]
+            np.testing.assert_allclose(sequence.logprobs, trainer, atol=1e-4, rtol=0)

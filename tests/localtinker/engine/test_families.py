@@ -1,7 +1,7 @@
 """The model families Tinker users train, each a tiny random model of its class (families.py): the trainer's
 logprobs and LoRA gradients equal transformers + peft's own forward (``ForCausalLM.forward``, soft caps and
 sliding windows included), and sampler logprobs equal the trainer's, on the CPU's default path and on the
-portable path (the CUDA path's code, run here on the CPU)."""
+portable path (the CUDA path's code, run here on the CPU), with either of its samplers."""
 
 from __future__ import annotations
 
@@ -21,10 +21,13 @@ MOE_LORA = LoraSpec(rank=4, seed=0, train_mlp=False)  # fused experts take no Lo
 TOLERANCE = 1e-5  # float32
 
 
-@pytest.fixture(scope="module", params=["default", "portable"])
+@pytest.fixture(scope="module", params=["default", "portable", "static-decode"])
 def engine(request, tmp_path_factory) -> LocalEngine:
-    portable = True if request.param == "portable" else None
-    return LocalEngine(tmp_path_factory.mktemp(f"families-{request.param}"), dtype="float32", portable=portable)
+    """The CPU's default path, the portable path, and the portable path decoding over the static cache (the
+    GPU's sampler, static_decode.py, run eagerly)."""
+    portable = True if request.param != "default" else None
+    return LocalEngine(tmp_path_factory.mktemp(f"families-{request.param}"), dtype="float32", portable=portable,
+                       static_decode=request.param == "static-decode")
 
 
 def _datum(tokens: np.ndarray) -> DatumArrays:

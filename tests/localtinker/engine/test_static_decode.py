@@ -1,0 +1,137 @@
+"""static_decode.py, run eagerly on the CPU (the GPU replays the same step as CUDA graphs; test_cuda.py): the
+portable sampler over the static cache draws the same tokens, with the same logprobs (float32 ≤ 1e-5), as over
+transformers' dynamic cache — with requests joining mid-decode, rows finishing at different steps (slot
+compaction), the cache growing past its first column bucket, and one pooled decoder serving several adapters
+and the bare base model in turn."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from localtinker.engine.api import LoraSpec, SampleSpec
+from localtinker.engine.engine import LocalEngine
+from localtinker.engine.static_decode import MIN_COLUMNS, StaticDecoder, bucket, static_decode_supported
+from tests.localtinker.engine.families import FAMILIES, family_dir
+from tests.localtinker.engine.reference import TINY
+
+LORA = LoraSpec(rank=4, seed=5)
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory) -> dict[str, LocalEngine]:
+    return {
+        "static": LocalEngine(tmp_path_factory.mktemp("static"), dtype="float32", portable=True, static_decode=True),
+        "dynamic": LocalEngine(tmp_path_factory.mktemp("dynamic"), dtype="float32", portable=True, static_decode=False),
+    }
+
+
+def _trained(engine: LocalEngine, model_id: str, seed: int) -> str:
+    """A model whose adapter is not the identity (random B), and an ephemeral sampler of it."""
+    engine.create_model(model_id, TINY, LORA)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for key, param in engine._models[model_id].params.items():
+            if key.endswith("lora_B"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    sampler = f"sampler-{model_id}"
+    engine.create_ephemeral_sampler(sampler, model_id)
+    return sampler
+
+
+def _pool(engine: LocalEngine) -> list[StaticDecoder]:
+    return engine._hosts[TINY].base.model.__dict__.get("_localtinker_static_decoders", [])
+
+
+def _assert_same(static_results, dynamic_results) -> None:
+    for ours, theirs in zip(static_results, dynamic_results):
+        assert not isinstance(ours, Exception) and not isinstance(theirs, Exception), (ours, theirs)
+        assert [s.tokens for s in ours.sequences] == [s.tokens for s in theirs.sequences]
+        assert [s.stop_reason for s in ours.sequences] == [s.stop_reason for s in theirs.sequences]
+        for a, b in zip(ours.sequences, theirs.sequences):
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=TOLERANCE, rtol=0)
+
+
+def test_joins_compaction_and_growth_equal_the_dynamic_cache(engines):
+    """A long request crosses the first column bucket (the cache grows), short ones join mid-decode and
+    leave early (their slots are compacted away), one stops on a stop token."""
+    long = SampleSpec(prompt_tokens=tuple(range(100, 130)), num_samples=3, max_tokens=MIN_COLUMNS + 20, seed=1,
+                      stop_token_ids=())
+    short = SampleSpec(prompt_tokens=tuple(range(300, 305)), num_samples=2, max_tokens=4, seed=2, stop_token_ids=())
+    late = SampleSpec(prompt_tokens=tuple(range(700, 719)), num_samples=2, max_tokens=9, seed=3, stop_token_ids=(),
+                      temperature=0.7, top_p=0.9)
+    results = {}
+    for name, engine in engines.items():
+        sampler = _trained(engine, f"{name}:train:joins", seed=1)
+        stream = engine.sample_stream()
+        stream.submit("long", sampler, long)
+        done = {}
+        for step in range(400):
+            if step == 2:
+                stream.submit("short", sampler, short)
+            if step == 5:
+                stream.submit("late", sampler, late)
+            done.update(dict(stream.step()))
+            if not stream.busy:
+                break
+        assert set(done) == {"long", "short", "late"}
+        results[name] = [done["long"], done["short"], done["late"]]
+    _assert_same(results["static"], results["dynamic"])
+    assert [len(s.tokens) for s in results["static"][0].sequences] == [long.max_tokens] * 3
+    (decoder,) = _pool(engines["static"])  # the static path ran, and its cache grew past one bucket
+    assert decoder.columns == bucket(len(long.prompt_tokens) + long.max_tokens, MIN_COLUMNS) > MIN_COLUMNS
+    assert not _pool(engines["dynamic"])
+
+
+def test_stop_tokens_and_greedy_rows_leave_their_slots(engines):
+    prompt = tuple(range(50, 60))
+    results = {}
+    for name, engine in engines.items():
+        sampler = _trained(engine, f"{name}:train:stops", seed=2)
+        greedy = engine.sample_batch([(sampler, SampleSpec(prompt_tokens=prompt, max_tokens=8, temperature=0.0,
+                                                           stop_token_ids=()))])[0]
+        stop_at = greedy.sequences[0].tokens[3]
+        results[name] = engine.sample_batch([
+            (sampler, SampleSpec(prompt_tokens=prompt, max_tokens=8, temperature=0.0, stop_token_ids=(stop_at,))),
+            (sampler, SampleSpec(prompt_tokens=prompt[:7], num_samples=4, max_tokens=8, seed=9, stop_token_ids=())),
+        ])
+        assert results[name][0].sequences[0].stop_reason == "stop"
+    _assert_same(results["static"], results["dynamic"])
+
+
+def test_one_pooled_decoder_serves_adapters_and_the_base_model_in_turn(engines):
+    """Two adapters decoding at once take two decoders; later calls reuse them with the other adapter's
+    factors (or none, for the base model) copied in."""
+    specs = [SampleSpec(prompt_tokens=tuple(range(10 + k, 30 + k)), num_samples=2, max_tokens=6, seed=k,
+                        stop_token_ids=()) for k in range(3)]
+    results = {}
+    for name, engine in engines.items():
+        first = _trained(engine, f"{name}:train:first", seed=3)
+        second = _trained(engine, f"{name}:train:second", seed=4)
+        engine.create_sampler(f"{name}-base", TINY, None)
+        together = engine.sample_batch([(first, specs[0]), (second, specs[1])])
+        alone = engine.sample_batch([(second, specs[2]), (first, specs[2])])
+        base = engine.sample_batch([(f"{name}-base", specs[0])])
+        results[name] = together + alone + base
+    _assert_same(results["static"], results["dynamic"])
+    assert len(_pool(engines["static"])) == 2
+    # the adapters changed the samples: a decoder that kept stale factors would have been caught above
+    assert results["static"][0].sequences[0].tokens != results["static"][4].sequences[0].tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_supported_families(family):
+    model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32)
+    assert static_decode_supported(model) == (family in {"llama", "qwen2", "qwen3", "mistral"})
+
+
+def test_step_refuses_rows_beyond_its_reservation():
+    model = AutoModelForCausalLM.from_pretrained(family_dir("llama"), dtype=torch.float32)
+    decoder = StaticDecoder(model)
+    decoder.reserve(2, 10)
+    assert (decoder.slots, decoder.columns) == (8, MIN_COLUMNS)
+    with pytest.raises(ValueError, match="exceed the reserved 8 × 128"):
+        decoder.step(2, MIN_COLUMNS)
