@@ -15,9 +15,9 @@ set of graphs serves every adapter of the same layout (an RL loop samples a new 
 
 Attention groups a KV head's query heads as a short query sequence (``[rows, kv heads, group, dim]``)
 against that head's cache, so no key is repeated per query head, and is written as two products with a
-float32 softmax between (transformers' eager formula): sdpa's cuDNN backend, which it picks for bf16 on a
-Hopper card, draws an RNG offset even without dropout and cannot be captured. The same code runs eagerly
-on a CPU, where the tests check it against transformers' forward.
+float32 softmax between (transformers' eager formula): for bf16 on a Hopper card sdpa picks its cuDNN
+backend, whose capture fails and leaves the CUDA generator unusable (docs/localtinker-gpu.md). The same
+code runs eagerly on a CPU, where the tests check it against transformers' forward.
 """
 
 from __future__ import annotations
