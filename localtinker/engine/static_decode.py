@@ -34,7 +34,7 @@ STATIC_DECODE_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 MIN_COLUMNS = 128  # a graph is captured per power-of-two bucket of rows and of attended columns
 _POOL = "_localtinker_static_decoders"  # on the base model: decoders whose batch has drained, graphs kept
 _KEPT_DECODERS = 2
-_KEPT_CACHE_SHARE = 1 / 8  # of the device's memory: a pooled decoder's cache at most
+_KEPT_CACHE_SHARE = 1 / 8  # of the device's memory: the pooled decoders' caches together, at most
 _MASKED = torch.finfo(torch.float32).min
 
 
@@ -85,11 +85,52 @@ class _Projection:
         self.b_t.copy_(b_t)
         return fresh
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual + base(x) + (x Aᵀ)(s·B)ᵀ``; the residual is added inside the base product's GEMM."""
+        base = self.base
+        if residual is None:
+            out = base(x)
+        elif type(base) is torch.nn.Linear and base.bias is None:
+            out = torch.addmm(residual, x, base.weight.t())
+        else:
+            out = base(x) + residual
         if self.a is not None:
             out.addmm_(F.linear(x.to(out.dtype), self.a), self.b_t)
         return out
+
+
+class _SharedInput:
+    """Projections that read the same input (q/k/v; gate/up): their base products, then one product of the
+    input with all their A factors stacked, each output taking its slice through its (s·B)ᵀ."""
+
+    def __init__(self, projections: list[_Projection]) -> None:
+        self.projections = projections
+        self.a: torch.Tensor | None = None
+
+    def load(self, adapter: str | None, compute: torch.dtype) -> bool:
+        fresh = any([projection.load(adapter, compute) for projection in self.projections])
+        factors = [projection.a for projection in self.projections]
+        if any(a is None for a in factors):  # a layout that adapts only some of them: one product each
+            self.a = None
+            return fresh
+        rows = sum(a.shape[0] for a in factors)
+        if self.a is None or self.a.shape[0] != rows or self.a.dtype != compute:
+            self.a = torch.empty((rows, factors[0].shape[1]), dtype=compute, device=factors[0].device)
+            fresh = True
+        torch.cat(factors, out=self.a)
+        return fresh
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.a is None:
+            return [projection(x) for projection in self.projections]
+        outs = [projection.base(x) for projection in self.projections]
+        low = F.linear(x.to(outs[0].dtype), self.a)  # [rows, Σ ranks]
+        start = 0
+        for projection, out in zip(self.projections, outs):
+            rank = projection.b_t.shape[0]
+            out.addmm_(low[:, start : start + rank], projection.b_t)
+            start += rank
+        return outs
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -120,9 +161,10 @@ class StaticDecoder:
         self.scale = float(attention.scaling)
         self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
         self.projections = [
-            {name: _Projection(getattr(layer.self_attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
-                                       else layer.mlp, name))
-             for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+            {"qkv": _SharedInput([_Projection(getattr(layer.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj")]),
+             "o_proj": _Projection(layer.self_attn.o_proj),
+             "gate_up": _SharedInput([_Projection(getattr(layer.mlp, name)) for name in ("gate_proj", "up_proj")]),
+             "down_proj": _Projection(layer.mlp.down_proj)}
             for layer in self.layers
         ]
         self.slots = self.columns = 0
@@ -153,10 +195,11 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def release(self) -> None:
-        """Keeps this decoder for the next batch (its graphs are reused) unless its cache is large: a long
-        sample's cache must not stay allocated under the next training step."""
+        """Keeps this decoder for the next batch (its graphs are reused) unless the kept caches would grow
+        large: a long sample's cache must not stay allocated under the next training step."""
         pooled = pooled_decoders(self.model)
-        small = self.device.type != "cuda" or self.cache_bytes <= _KEPT_CACHE_SHARE * torch.cuda.get_device_properties(
+        kept = self.cache_bytes + sum(decoder.cache_bytes for decoder in pooled)
+        small = self.device.type != "cuda" or kept <= _KEPT_CACHE_SHARE * torch.cuda.get_device_properties(
             self.device).total_memory
         if len(pooled) < _KEPT_DECODERS and small:
             self.positions.zero_()
@@ -277,10 +320,10 @@ class StaticDecoder:
         x = self.embed(tokens)
         for layer, projections, keys, values in zip(self.layers, self.projections, self.keys, self.values):
             attention = layer.self_attn
-            h = _rms_norm(layer.input_layernorm, x)
-            q = projections["q_proj"](h).view(rows, self.heads, self.head_dim)
-            k = projections["k_proj"](h).view(rows, self.kv_heads, self.head_dim)
-            v = projections["v_proj"](h).view(rows, self.kv_heads, self.head_dim)
+            q, k, v = projections["qkv"](_rms_norm(layer.input_layernorm, x))
+            q = q.view(rows, self.heads, self.head_dim)
+            k = k.view(rows, self.kv_heads, self.head_dim)
+            v = v.view(rows, self.kv_heads, self.head_dim)
             if hasattr(attention, "q_norm"):
                 q, k = _rms_norm(attention.q_norm, q), _rms_norm(attention.k_norm, k)
             qk = _rotate(torch.cat((q, k), dim=1), cos, sin)  # one rotation for both
@@ -291,10 +334,9 @@ class StaticDecoder:
                                   keys[:rows, :, :columns].transpose(-1, -2)).float() * self.scale
             weights = torch.softmax(scores.masked_fill(hidden, _MASKED), dim=-1).to(v.dtype)
             out = torch.matmul(weights, values[:rows, :, :columns])  # [rows, kv heads, group, dim]
-            x = x + projections["o_proj"](out.reshape(rows, self.heads * self.head_dim))
-            h = _rms_norm(layer.post_attention_layernorm, x)
-            mlp = layer.mlp
-            x = x + projections["down_proj"](mlp.act_fn(projections["gate_proj"](h)) * projections["up_proj"](h))
+            x = projections["o_proj"](out.reshape(rows, self.heads * self.head_dim), residual=x)
+            gate, up = projections["gate_up"](_rms_norm(layer.post_attention_layernorm, x))
+            x = projections["down_proj"](layer.mlp.act_fn(gate) * up, residual=x)
         logits = self.head(_rms_norm(self.norm, x)).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
