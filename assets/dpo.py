@@ -76,10 +76,12 @@ from posttrain.preference import (
     DpoRecipe,
     PairAccuracyEvaluator,
     PreferencePairs,
+    accumulate_comparisons,
     build_onpolicy_pairs,
     compute_reference_logprobs,
     pairs_from_table,
     reference_sampling_client,
+    sampler_of,
 )
 from posttrain.renderers import get_renderer
 from resources.mlflow import MlflowResource
@@ -153,6 +155,11 @@ class OnPolicyConfig(dg.Config):
     renderer: str = Field(default="auto", description="Chat renderer of the prompts (the sampler's); auto = the base model's recommended one.")
     seed: int = Field(default=0, description="Sampling seed; also picks which correct/incorrect answers form the pair.")
     limit: int = Field(default=0, description="Sample at most this many problems of either split (0 = all).")
+    accumulate: bool = Field(
+        default=False,
+        description="Keep the comparisons of this table's latest version and add this sampler's: iterated RLHF, where "
+        "each round's judge is trained on every policy so far (the last round's policy found what that judge over-rated).",
+    )
 
 
 def onpolicy_preview(result) -> str:
@@ -199,8 +206,13 @@ def onpolicy_comparisons(
             split=None, num_samples=config.group_size, max_tokens=config.max_tokens, temperature=config.temperature,
             seed=config.seed, grade=grade_answer,
         )
+    table, kept_samplers = result.table, []
+    if config.accumulate:
+        table, kept_samplers = _accumulated(context, result.table)
     metadata = {
         "sampler": config.sampler,
+        "samplers": dg.MetadataValue.json([*kept_samplers, sampler.sampler_path]),
+        "kept_rows": table.num_rows - result.table.num_rows,
         "sampler_partition": sampler.partition or "",
         "sampler_path": sampler.sampler_path,
         "sampler_base_model": sampler.base_model,
@@ -213,13 +225,32 @@ def onpolicy_comparisons(
     }
     yield from checked_table_output(
         COMPARISONS_ASSET,
-        table_output(result.table, metadata),
+        table_output(table, metadata),
         [
-            schema_check(result.table, schemas.PREFERENCE_COMPARISONS),
+            schema_check(table, schemas.PREFERENCE_COMPARISONS),
             failures_check("has_pairs", empty_pairs_failures(result)),
-            failures_check("pairs_differ", identical_failures(result.table)),
+            failures_check("pairs_differ", identical_failures(table)),
         ],
     )
+
+
+def _accumulated(context: dg.AssetExecutionContext, new: pa.Table) -> tuple[pa.Table, list[str]]:
+    """The latest stored version of this table followed by ``new`` (``accumulate``), and the samplers it held;
+    ``new`` alone when the table was never materialized."""
+    try:
+        previous = latest_version(context.instance, COMPARISONS_ASSET)
+    except dg.Failure:
+        context.log.info(f"{COMPARISONS_ASSET}: accumulate, but no earlier version: this sampler's comparisons start the table")
+        return new, []
+    kept = read_versioned_table(previous.metadata, COMPARISONS_ASSET)
+    try:
+        table = accumulate_comparisons(kept, new)
+    except ValueError as error:
+        raise dg.Failure(f"{COMPARISONS_ASSET}: accumulate onto version {previous.data_version}: {error}") from error
+    samplers = list(dict.fromkeys(sampler_of(row) for row in kept.select(["source"]).to_pylist()))
+    context.log.info(f"{COMPARISONS_ASSET}: kept {kept.num_rows} comparisons of {len(samplers)} earlier sampler(s) "
+                     f"(version {previous.data_version}), added {new.num_rows}")
+    return table, samplers
 
 
 onpolicy_pairs = build_pairs_asset(

@@ -121,3 +121,40 @@ def build_onpolicy_pairs(
         dropped_none_correct=none_correct,
         sample_accuracy=graded.accuracy,
     )
+
+
+def sampler_of(row: dict) -> str:
+    """The sampler path an on-policy comparison came from (its ``source``)."""
+    source = str(row.get("source") or "")
+    return source[len(SOURCE_PREFIX):] if source.startswith(SOURCE_PREFIX) else source
+
+
+def accumulate_comparisons(kept: pa.Table, new: pa.Table) -> pa.Table:
+    """``kept`` comparisons (an earlier version of the table: earlier policies' graded answers) followed by
+    ``new`` ones (one more policy's), for a judge trained on every policy it has to grade — iterated RLHF,
+    where each round's policy finds what the last judge over-rates.
+
+    A prompt keeps one split across policies (a held-out prompt stays held out). New rows whose ``row_id`` is
+    taken get ``@<n>`` (n = how many samplers the table already has), so ids stay unique. Raises
+    ``ValueError`` when ``new``'s sampler is already in ``kept`` (its comparisons would count twice) or a
+    prompt would be in both splits (the kept rows came from another split of the problems)."""
+    kept_rows, new_rows = kept.to_pylist(), new.to_pylist()
+    samplers = list(dict.fromkeys(sampler_of(row) for row in kept_rows))
+    repeated = sorted({sampler_of(row) for row in new_rows} & set(samplers))
+    if repeated:
+        raise ValueError(f"the kept comparisons already hold the answers of {', '.join(repeated)}: sample another "
+                         "checkpoint, or materialize without accumulate to start a new table")
+    split_of = {_prompt_key(row): row["split"] for row in kept_rows}
+    clashes = sorted(str(row["row_id"]) for row in new_rows
+                     if split_of.get(_prompt_key(row), row["split"]) != row["split"])
+    if clashes:
+        raise ValueError(f"{len(clashes)} prompt(s) are held out in one table and trained on in the other (first: "
+                         f"{clashes[0]}): the kept comparisons were split from another rl_problems version; materialize "
+                         "without accumulate to start a new table")
+    taken = {row["row_id"] for row in kept_rows}
+    renamed = [{**row, "row_id": f"{row['row_id']}@{len(samplers)}"} if row["row_id"] in taken else row for row in new_rows]
+    return schemas.table_from_rows(kept_rows + renamed, schemas.PREFERENCE_COMPARISONS)
+
+
+def _prompt_key(row: dict) -> str:
+    return repr([(m["role"], m["content"]) for m in row["prompt"]])

@@ -321,3 +321,33 @@ def test_every_manifest_names_exactly_the_tables_it_read(dpo_run):
     assert manifests
     for manifest in manifests:  # on-policy pairs; and, when the offline test ran first, offline pairs too
         assert_manifest_names_exactly_the_tables_read(dpo_run.defs, manifest)
+
+
+def test_accumulated_comparisons_add_another_policys_and_refuse_it_twice(dpo_run):
+    """`accumulate` (iterated RLHF): the latest DPO checkpoint's graded answers join the SFT checkpoint's in one
+    new table version; the same sampler again fails with a clear message and stores nothing. (Last in this file:
+    it changes the latest comparisons table the tests above read.)"""
+    from assets.dpo import onpolicy_comparisons
+    from assets.problems import rl_problems
+
+    (sft,) = _manifests("sft")
+    dpo = _manifests("dpo")[-1]
+    config = {"ops": {"rl_problems": {"config": {"limit": 16, "heldout_fraction": 0.25}},
+                      "onpolicy_comparisons": {"config": {"group_size": 4, "max_tokens": 6, "sampler": dpo.partition,
+                                                          "accumulate": True}}}}
+    path = dpo_run.state / "parquet" / "onpolicy_comparisons.parquet"
+    before = pq.read_table(path).to_pylist()
+    result = dg.materialize([rl_problems, onpolicy_comparisons], instance=dpo_run.instance,
+                            resources=tiny_resources(dpo_run.state), run_config=config)
+    metadata = _metadata(result, "onpolicy_comparisons")
+    assert metadata["samplers"] == [sft.sampler_path, dpo.sampler_path] and metadata["kept_rows"] == len(before)
+    rows = pq.read_table(path).to_pylist()
+    assert rows[: len(before)] == before and len(rows) == 2 * len(before)
+    assert {row["source"] for row in rows[len(before):]} == {"onpolicy:" + dpo.sampler_path}
+    assert all(row["row_id"].endswith("@1") for row in rows[len(before):])  # the same prompts, unique ids
+    again = dg.materialize([rl_problems, onpolicy_comparisons], instance=dpo_run.instance,
+                           resources=tiny_resources(dpo_run.state), run_config=config, raise_on_error=False)
+    assert not again.success
+    description = again.failure_data_for_node("onpolicy_comparisons").user_failure_data.description
+    assert f"already hold the answers of {dpo.sampler_path}" in description
+    assert pq.read_table(path).to_pylist() == rows

@@ -32,3 +32,17 @@ def test_hub_dataset_example_validates_against_its_chain_job(path: Path, project
     """examples/configs/hub/<recipe>.<dataset>.yaml: the README's hub-dataset runs fit `<recipe>_chain`."""
     job = build_definitions(tiny_resources(project_state)).resolve_job_def(f"{path.stem.split('.')[0]}_chain")
     assert dg.validate_run_config(job, yaml.safe_load(path.read_text()))["ops"], path
+
+
+ROUND_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs" / "rounds").glob("*.yaml"))
+
+
+def test_round_configs_exist():
+    assert [path.stem for path in ROUND_CONFIGS] == ["preference_model"]
+
+
+@pytest.mark.parametrize("path", ROUND_CONFIGS, ids=lambda path: path.stem)
+def test_round_example_validates_against_its_chain_job(path: Path, project_state):
+    """examples/configs/rounds/<recipe>.yaml: a later round of an iterated recipe (docs/rlhf.md) fits `<recipe>_chain`."""
+    job = build_definitions(tiny_resources(project_state)).resolve_job_def(f"{path.stem}_chain")
+    assert dg.validate_run_config(job, yaml.safe_load(path.read_text()))["ops"], path

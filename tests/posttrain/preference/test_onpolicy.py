@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from posttrain.datasets import schemas, tokens
-from posttrain.preference.onpolicy import build_onpolicy_pairs
+from posttrain.preference.onpolicy import accumulate_comparisons, build_onpolicy_pairs, sampler_of
 from posttrain.renderers import get_renderer
 from tests.posttrain.preference.tiny_pairs import TINY_MODEL, tiny_tokenizer
 
@@ -67,3 +67,32 @@ def test_mixed_prompts_become_pairs_that_train_as_dpo_data(service_client, sampl
 def test_one_sample_per_prompt_is_refused(service_client, sampler_path):
     with pytest.raises(ValueError, match="num_samples must be at least 2"):
         build_onpolicy_pairs(service_client, sampler_path, get_renderer("chatml", tiny_tokenizer()), _problems(2), num_samples=1)
+
+
+def _comparisons(sampler: str, rows: list[tuple[str, str, str]]):
+    """rows: (row_id, split, question) with a fixed right and wrong answer."""
+    return schemas.table_from_rows([
+        {"row_id": row_id, "source": f"onpolicy:{sampler}", "split": split,
+         "prompt": [{"role": "user", "content": question}], "chosen": [{"role": "assistant", "content": "2"}],
+         "rejected": [{"role": "assistant", "content": "3"}]}
+        for row_id, split, question in rows
+    ], schemas.PREFERENCE_COMPARISONS)
+
+
+def test_accumulated_comparisons_keep_every_policy_with_unique_ids():
+    sft = _comparisons("tinker://sft", [("p0", "train", "1 + 1?"), ("p1", "heldout", "0 + 2?")])
+    round1 = _comparisons("tinker://rlhf-1", [("p0", "train", "1 + 1?"), ("p2", "train", "2 + 0?")])
+    round2 = _comparisons("tinker://rlhf-2", [("p0", "train", "1 + 1?"), ("p1", "heldout", "0 + 2?")])
+    table = accumulate_comparisons(accumulate_comparisons(sft, round1), round2)
+    rows = table.to_pylist()
+    assert [r["row_id"] for r in rows] == ["p0", "p1", "p0@1", "p2", "p0@2", "p1@2"]
+    assert [sampler_of(r) for r in rows] == ["tinker://sft"] * 2 + ["tinker://rlhf-1"] * 2 + ["tinker://rlhf-2"] * 2
+    assert schemas.schema_problems(table, schemas.PREFERENCE_COMPARISONS) == []
+
+
+def test_accumulating_refuses_a_sampler_twice_and_a_prompt_in_both_splits():
+    sft = _comparisons("tinker://sft", [("p0", "train", "1 + 1?")])
+    with pytest.raises(ValueError, match="already hold the answers of tinker://sft"):
+        accumulate_comparisons(sft, _comparisons("tinker://sft", [("p1", "train", "0 + 2?")]))
+    with pytest.raises(ValueError, match=r"1 prompt\(s\) are held out in one table and trained on in the other \(first: q0\)"):
+        accumulate_comparisons(sft, _comparisons("tinker://rlhf", [("q0", "heldout", "1 + 1?")]))
