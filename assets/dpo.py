@@ -206,13 +206,14 @@ def onpolicy_comparisons(
             split=None, num_samples=config.group_size, max_tokens=config.max_tokens, temperature=config.temperature,
             seed=config.seed, grade=grade_answer,
         )
-    table, kept_samplers = result.table, []
+    table, kept_samplers, kept_version = result.table, [], ""
     if config.accumulate:
-        table, kept_samplers = _accumulated(context, result.table)
+        table, kept_samplers, kept_version = _accumulated(context, result.table)
     metadata = {
         "sampler": config.sampler,
         "samplers": dg.MetadataValue.json([*kept_samplers, sampler.sampler_path]),
         "kept_rows": table.num_rows - result.table.num_rows,
+        "kept_version": kept_version,
         "sampler_partition": sampler.partition or "",
         "sampler_path": sampler.sampler_path,
         "sampler_base_model": sampler.base_model,
@@ -234,14 +235,14 @@ def onpolicy_comparisons(
     )
 
 
-def _accumulated(context: dg.AssetExecutionContext, new: pa.Table) -> tuple[pa.Table, list[str]]:
-    """The latest stored version of this table followed by ``new`` (``accumulate``), and the samplers it held;
-    ``new`` alone when the table was never materialized."""
+def _accumulated(context: dg.AssetExecutionContext, new: pa.Table) -> tuple[pa.Table, list[str], str]:
+    """The latest stored version of this table followed by ``new`` (``accumulate``), the samplers it held and its
+    data version (lineage: the new version names the one it extends); ``new`` alone when there is none."""
     try:
         previous = latest_version(context.instance, COMPARISONS_ASSET)
     except dg.Failure:
         context.log.info(f"{COMPARISONS_ASSET}: accumulate, but no earlier version: this sampler's comparisons start the table")
-        return new, []
+        return new, [], ""
     kept = read_versioned_table(previous.metadata, COMPARISONS_ASSET)
     try:
         table = accumulate_comparisons(kept, new)
@@ -250,7 +251,7 @@ def _accumulated(context: dg.AssetExecutionContext, new: pa.Table) -> tuple[pa.T
     samplers = list(dict.fromkeys(sampler_of(row) for row in kept.select(["source"]).to_pylist()))
     context.log.info(f"{COMPARISONS_ASSET}: kept {kept.num_rows} comparisons of {len(samplers)} earlier sampler(s) "
                      f"(version {previous.data_version}), added {new.num_rows}")
-    return table, samplers
+    return table, samplers, previous.data_version
 
 
 onpolicy_pairs = build_pairs_asset(

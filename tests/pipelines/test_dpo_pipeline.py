@@ -341,6 +341,7 @@ def test_accumulated_comparisons_add_another_policys_and_refuse_it_twice(dpo_run
                             resources=tiny_resources(dpo_run.state), run_config=config)
     metadata = _metadata(result, "onpolicy_comparisons")
     assert metadata["samplers"] == [sft.sampler_path, dpo.sampler_path] and metadata["kept_rows"] == len(before)
+    assert metadata["kept_version"] == _data_version(dpo_run.chain, "onpolicy_comparisons")
     rows = pq.read_table(path).to_pylist()
     assert rows[: len(before)] == before and len(rows) == 2 * len(before)
     assert {row["source"] for row in rows[len(before):]} == {"onpolicy:" + dpo.sampler_path}
