@@ -3,7 +3,8 @@
 - ``onpolicy_comparisons``: a checkpoint (default ``latest:sft``) answers each ``rl_problems`` prompt
   ``group_size`` times; the problems' own scorers grade the answers; a prompt with a correct and an
   incorrect answer becomes one comparison (``posttrain.preference.onpolicy``). The split column is the
-  problem's (by prompt hash), so held-out prompts give held-out pairs for the eval report.
+  problem's (by prompt hash), so held-out prompts give held-out pairs for the eval report. ``accumulate``
+  appends them to the table's latest version instead (iterated RLHF: each judge round sees every policy).
 - ``onpolicy_pairs``: those comparisons rendered exactly like ``preference_pairs`` (one factory).
 - ``reference_logprobs``: the reference model's logprobs of every pair of one pairs table, keyed by
   (pairs data version, reference): its data version is a hash of both, and a re-run with the same
