@@ -82,7 +82,7 @@ from posttrain.preference import (
     compute_reference_logprobs,
     pairs_from_table,
     reference_sampling_client,
-    sampler_of,
+    samplers_in,
 )
 from posttrain.renderers import get_renderer
 from resources.mlflow import MlflowResource
@@ -249,7 +249,7 @@ def _accumulated(context: dg.AssetExecutionContext, new: pa.Table) -> tuple[pa.T
         table = accumulate_comparisons(kept, new)
     except ValueError as error:
         raise dg.Failure(f"{COMPARISONS_ASSET}: accumulate onto version {previous.data_version}: {error}") from error
-    samplers = list(dict.fromkeys(sampler_of(row) for row in kept.select(["source"]).to_pylist()))
+    samplers = samplers_in(kept)
     context.log.info(f"{COMPARISONS_ASSET}: kept {kept.num_rows} comparisons of {len(samplers)} earlier sampler(s) "
                      f"(version {previous.data_version}), added {new.num_rows}")
     return table, samplers, previous.data_version
@@ -425,7 +425,7 @@ DPO = TrainingSpec(
     build=build_dpo,
     parent_assets=SAMPLER_ASSETS,
     default_init_from="latest:sft",
-    # A gentle LR: on the demo task 5× this overfit the pairs and lowered held-out accuracy (docs/benchmarks.md, make demo).
+    # A gentle LR: on the demo task a much higher one overfit the pairs and lowered held-out accuracy (docs/benchmarks.md).
     defaults={"learning_rate": 2e-5, "lora_rank": 16, "save_every": 10},
     extra_deps=(REFERENCE_ASSET,),
     input_choice=("pairs", PAIR_ASSETS),

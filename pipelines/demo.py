@@ -32,15 +32,14 @@ DEMO_SOURCE = (
     "reasoning_gym:basic_arithmetic?min_terms=2&max_terms=2&min_digits=1&max_digits=2&operators=+"
     "&allow_parentheses=false&allow_negation=false"
 )
-# 3000 problems, a tenth held out by prompt hash: ~290 held-out problems, enough to tell a real change of a few
-# points from noise (the reports' paired standard errors say how much), and ~2700 to train on, so that no stage
-# repeats its problems: RL that replays a small pool memorises its answers and loses held-out accuracy
-# (docs/demo-rl-tuning.md, trials 10-14).
+# A tenth held out by prompt hash: enough held-out problems to tell a real change of a few points from noise
+# (the reports' paired standard errors say how much), and enough to train on that no stage repeats its problems:
+# RL that replays a small pool memorises its answers and loses held-out accuracy (docs/demo-rl-tuning.md).
 DEMO_DATA = {"source": DEMO_SOURCE, "limit": 3000, "heldout_fraction": 0.1}
 # Every report scores all held-out items (the EvalConfig defaults cap them for quick launches).
 DEMO_EVAL = {"max_problems": 0, "max_heldout_sequences": 0, "max_tokens": 16, "pass_k": 4}
-# Sized for "a few minutes on 2 CPU cores" with SmolLM2-135M: 92 steps of 16 conversations (~1500 of the training
-# problems, each once), two checkpoints.
+# Sized for "a few minutes on 2 CPU cores" with SmolLM2-135M: each training problem it reaches seen once, two
+# checkpoints.
 DEMO_TRAINING = {"learning_rate": 1e-3, "batch_size": 16, "max_steps": 92, "save_every": 46, "lora_rank": 16}
 
 
@@ -59,8 +58,8 @@ class DemoStage:
 SFT_STAGE = DemoStage(
     "sft", {"chat_dataset": {"config": DEMO_DATA}, "sft_checkpoint": {"config": DEMO_TRAINING}}
 )
-# DPO on on-policy pairs: the SFT checkpoint answers 400 train+held-out problems 4 times at temperature 1;
-# a prompt with a right and a wrong answer gives a pair (about 1 prompt in 4 at ~85% accuracy). The
+# DPO on on-policy pairs: the SFT checkpoint answers train+held-out problems 4 times at temperature 1;
+# a prompt with a right and a wrong answer gives a pair (few do, at the SFT model's accuracy). The
 # reference is the SFT checkpoint (the DPO run's start), scored once by reference_logprobs.
 DEMO_ONPOLICY = {"sampler": "latest:sft", "group_size": 4, "max_tokens": 24, "temperature": 1.0, "limit": 400}
 DEMO_DPO = {"beta": 0.1, "learning_rate": 2e-5, "batch_size": 8, "num_epochs": 1, "save_every": 5, "lora_rank": 16}
@@ -73,10 +72,10 @@ DPO_STAGE = DemoStage(
         "dpo_checkpoint": {"config": {**DEMO_DPO, "pairs": "onpolicy_pairs", "init_from": "latest:sft"}},
     },
 )
-# RL on the same task, from the DPO checkpoint: 40 steps of 32 problems x 8 samples (256 samples of up to 16
-# tokens; 1280 problems, none repeated), rewarded by the task's own scorer, importance-sampling loss. Most groups
-# are all-correct (no signal): 32 problems per step make the gain hold across seeds where 16 did not, and a
-# higher LR or replaying a small pool trades greedy accuracy for a sharper sampler (docs/demo-rl-tuning.md).
+# RL on the same task, from the DPO checkpoint: no problem repeated, rewarded by the task's own scorer,
+# importance-sampling loss. Most groups are all-correct (no signal): enough problems per step make the gain hold
+# across seeds, and a higher LR or replaying a small pool trades greedy accuracy for a sharper sampler
+# (docs/demo-rl-tuning.md).
 DEMO_RL = {
     "init_from": "latest:dpo",
     "env": "problems",
@@ -94,9 +93,9 @@ STAGES: tuple[DemoStage, ...] = (SFT_STAGE, DPO_STAGE, RL_STAGE)
 # own graded answers (a correct and a wrong answer of one prompt per comparison, both orders), then RL from SFT
 # rewarded only by that model's tournaments; the verifier is never a reward, so held-out accuracy in the
 # eval report is an honest check. Sizes and figures: docs/rlhf.md. Not in `make demo` (its 15-minute budget).
-# All 3000 problems: ~920 comparisons, ~90 of them held out (prompts the SFT model answers both right and wrong).
-# Two epochs at LR 5e-4 (206 steps of 16): the label loss sits at ln 2 for ~60 steps before the model starts to
-# tell a right sum from a wrong one; 24 steps on ~500 comparisons never left it (docs/rlhf.md, third pass).
+# Every problem's comparisons (only prompts the SFT model answers both right and wrong give one), two epochs: the
+# label loss sits at ln 2 for a while before the model starts to tell a right sum from a wrong one, and fewer
+# comparisons seen once never left it (docs/rlhf.md, third pass).
 DEMO_PM_COMPARISONS = {"sampler": "latest:sft", "group_size": 4, "max_tokens": 16, "temperature": 1.0, "limit": 0}
 DEMO_PM = {
     "init_from": "latest:sft", "learning_rate": 5e-4, "batch_size": 16, "num_epochs": 2, "max_steps": 0, "save_every": 0, "lora_rank": 16,
@@ -109,9 +108,9 @@ PREFERENCE_MODEL_STAGE = DemoStage(
         "preference_model_checkpoint": {"config": {**DEMO_PM, "comparisons": "onpolicy_comparisons"}},
     },
 )
-# A judge that is right ~6 times in 7 is a noisy reward: a low LR, a KL penalty towards the SFT parent and few steps
-# keep RLHF from trading true accuracy for the judge's quirks (docs/rlhf.md: 24 steps raised the judged win rate
-# to 0.54 and cost 0.15 of held-out accuracy; LR 2e-4 against a chance judge cost 0.22).
+# A judge that is often wrong is a noisy reward: a low LR, a KL penalty towards the SFT parent and few steps keep
+# RLHF from trading true accuracy for the judge's quirks (docs/rlhf.md: longer runs raised the judged win rate and
+# lost held-out accuracy).
 DEMO_RLHF = {
     "init_from": "latest:sft",
     "preference_model": "latest:preference_model",
@@ -126,7 +125,7 @@ DEMO_RLHF = {
     "max_steps": 6,
     "save_every": 6,
 }
-# Every held-out prompt (~250): identical answers of policy and parent are ties that cost no judging.
+# Every held-out prompt: identical answers of policy and parent are ties that cost no judging.
 RLHF_STAGE = DemoStage("rlhf", {"rl_problems": {"config": DEMO_DATA}, "rlhf_checkpoint": {"config": DEMO_RLHF}},
                        eval_config={**DEMO_EVAL, "max_problems": 0})
 STAGE_SETS: dict[str, tuple[DemoStage, ...]] = {"default": STAGES, "rlhf": (SFT_STAGE, PREFERENCE_MODEL_STAGE, RLHF_STAGE)}

@@ -578,7 +578,7 @@ def refuse_secret_names(values: Mapping[str, Any], where: str) -> None:
 
 @functools.lru_cache(maxsize=8)
 def _client_for(uri: str) -> MlflowClient:
-    """One client per store and process: opening a sqlite store runs its schema check (~1.5 s)."""
+    """One client per store and process: opening a sqlite store runs its schema check (a second or more)."""
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 

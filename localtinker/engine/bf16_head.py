@@ -1,7 +1,7 @@
 """The unembedding of a bf16-compute model: bulk logits in bf16, the few that carry the mass in float32.
 
 On a CPU with native bf16 (bf16_matmul.py) the float32 unembedding was the largest single cost left,
-and bf16 runs it ~2.5× faster (docs/engine-notes.md, precision). But
+and bf16 runs it faster (docs/engine-notes.md, precision). But
 bf16 logits are rounded to ~0.06 at typical magnitudes, and the log-sum-exp is dominated by the top
 few tokens, so bf16 logits alone shift every logprob by a few hundredths.
 

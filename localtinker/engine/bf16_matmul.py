@@ -2,8 +2,8 @@
 
 ``dtype="bfloat16"`` keeps the frozen base weights in bf16. Whether its matmuls should also run in
 bf16 depends on the CPU, and no flag in /proc/cpuinfo says so reliably: on AVX2-only CPUs torch
-emulates bf16 (~70× slower than float32), some AVX512-BF16 CPUs run it at half the float32 rate and
-others at twice it (docs/engine-notes.md, precision). So the engine times one layer-shaped product both ways, on the
+emulates bf16 (far slower than float32), some AVX512-BF16 CPUs run it slower than float32 and
+others faster (docs/engine-notes.md, precision). So the engine times one layer-shaped product both ways, on the
 threads it will use, and computes in bf16 only where that is clearly faster.
 
 ``LOCALTINKER_BF16_MATMUL=bfloat16`` or ``=float32`` skips the measurement and forces the choice.

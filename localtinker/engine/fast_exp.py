@@ -1,6 +1,6 @@
-"""``exp`` of float32 tensors through ``exp2``: the same values to a few parts per million, ~3× faster on CPU.
+"""``exp`` of float32 tensors through ``exp2``: the same values to a few parts per million, faster on CPU (docs/engine-notes.md).
 
-torch's CPU ``exp`` kernel for float32 is ~3× slower than its ``exp2`` (docs/engine-notes.md, after
+torch's CPU ``exp`` kernel for float32 is several times slower than its ``exp2`` (docs/engine-notes.md, after
 Pass 7), and the engine takes an ``exp`` over the whole vocabulary
 for every token it trains on (the loss's forward and backward) and every token it samples. So
 ``exp(x) = exp2(x · log2 e)``: the rounding of the product adds a relative error of at most |x|·2⁻²⁴·log2 e

@@ -5,7 +5,7 @@ hands it back to the kernel on ``free``; in a thread other than the main one, an
 the thread's 64 MB heap takes the same path whatever the threshold. The engine allocates several
 [tokens × vocab] float32 buffers per micro-batch (100 MB each for 512 tokens × SmolLM2's 49152), so
 every SFT step touched ~800 MB of brand-new pages. On a virtual machine a first touch also faults on
-the host, which cost ~10% of a step in system time (docs/engine-notes.md, heap); with the settings below
+the host, which cost a visible share of a step in system time (docs/engine-notes.md, heap); with the settings below
 a step page-faults nothing from the second step on.
 
 What it sets, process-wide (it is an allocator policy, so it cannot be scoped to the engine):

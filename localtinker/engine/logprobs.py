@@ -53,7 +53,7 @@ def token_logprobs_tracking(
     exactly zero (``losses.gradient_tokens``), so the result and every gradient are the same function.
     What is saved is their share of the unembedding's backward — a [rows × vocab] × [vocab × hidden]
     product, the softmax gradient pass and its saved [rows × vocab] buffer — which on SmolLM2-135M is
-    ~20% of a token's backward: the prompt of an RL sample or a chat SFT row costs a forward only there.
+    a large share of a token's backward: the prompt of an RL sample or a chat SFT row costs a forward only there.
     At least one row stays tracked, so an all-zero batch still back-propagates (zero) gradients and
     Adam sees a zero gradient rather than none.
     """
@@ -74,7 +74,7 @@ class TargetLogprob(torch.autograd.Function):
     """``logits[i, t_i] − logsumexp(logits[i])`` with a one-pass backward, ``g·(onehot − softmax)``.
 
     Autograd's version of the same expression zero-fills a [tokens × vocab] buffer for the gather, then
-    adds the log-sum-exp gradient in further full passes; on the 49k-token vocabulary that was ~10% of
+    adds the log-sum-exp gradient in further full passes; on the 49k-token vocabulary that was a visible share of
     a LoRA SFT step. Here ``exp(logits − max)`` is made a few rows at a time (:func:`_shifted_exp_rows`)
     in the forward, for the sums, and again in the backward, scaled straight into the gradient.
     """
@@ -203,7 +203,7 @@ def next_token_logit_blocks(
     reused buffer: the float32 copy of bf16 logits, the refinement, and the caller's token choice (max,
     exp, sums) then pass over [32 × 49152] in cache instead of [rows × 49152] in memory, and no
     [rows × vocab] float32 buffer exists (100 MB at 512 rows). Per-row values are those of
-    :func:`next_token_logits`, bit for bit (tested). A small gain (~2% of RL-shaped sampling,
+    :func:`next_token_logits`, bit for bit (tested). A small gain (RL-shaped sampling,
     bench/bench_rl_sampling.py; docs/engine-notes.md, large temporaries).
     """
     logits = lm_head(hidden_last)

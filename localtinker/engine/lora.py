@@ -252,7 +252,7 @@ def _cast_factors(layer: Any, name: str, compute: torch.dtype) -> tuple[torch.Te
     """A and (s·B)ᵀ of adapter ``name`` rounded to ``compute``, kept until the factors change.
 
     Without autograd (sampling, forward-only passes) the same rounded factors serve every call: per-call
-    scaling and casts made an unmerged bf16 LoRA sampler ~1.5× slower than the bare model. The key holds each factor's
+    scaling and casts made an unmerged bf16 LoRA sampler much slower than the bare model. The key holds each factor's
     storage and version counter, which every in-place update (the optimizer, a checkpoint load) bumps.
     """
     lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight

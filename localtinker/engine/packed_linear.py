@@ -1,7 +1,7 @@
 """Frozen linear layers through oneDNN with their weights packed once, for sampling.
 
 ``F.linear`` hands every call to an sgemm that re-packs the weight matrix into its blocked layout each
-time; with the few rows of a decode step that packing is most of the call (the unembedding ran ~1.8×
+time; with the few rows of a decode step that packing is most of the call (the unembedding ran
 faster packed on an AVX2 EPYC; docs/engine-notes.md). Which one wins depends on the CPU and the shape, so
 :func:`pack_frozen_linears` times both at a model's first sampling (the decode batch calls it), per
 weight shape, with 32 rows (a decode step) and 128 (a prefill), and packs a weight only where the
@@ -33,7 +33,7 @@ import torch
 from localtinker.engine.bf16_matmul import bf16_matmul_is_fast
 
 _PROBE_ROWS = (32, 128)  # a decode step, a prefill
-_PROBE_REPEATS = 3  # after one warm-up round; SmolLM2's shapes take ~2.5 s in all, once per process
+_PROBE_REPEATS = 3  # after one warm-up round; a few seconds for SmolLM2's shapes, once per process
 _MIN_GAIN = 0.10  # with few rows the packed kernel must be this much faster ...
 _MAX_LOSS = 0.05  # ... and with many rows at most this much slower
 PACKED_ATTR = "_localtinker_packed"  # on a packed layer: its packed weight

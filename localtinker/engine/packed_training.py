@@ -32,7 +32,7 @@ from localtinker.engine.packed_linear import (
 )
 
 _CHOICES = "_localtinker_train_packing_choices"  # on the model: {(out, in): packed}, once decided
-_PROBE_ROWS = 128  # the unembedding (49152 × 576) costs ~0.1 s per product at this size
+_PROBE_ROWS = 128  # rows per probe product: the unembedding (49152 × 576) is the costly one
 _PROBE_MAX_OUT = 8192
 _PROBE_REPEATS = 3
 _MIN_GAIN = 0.05

@@ -5,7 +5,7 @@ attend to its group's prompt and to themselves. Copying the prompt's keys and va
 and running ``scaled_dot_product_attention`` over them cost, per layer: the copy (and in the backward the
 ``index_put`` that sums the members' gradients back), the grouped-query expansion of those keys to every
 query head (and its summing backward), and CPU flash attention with a mask, which is slow on such small
-blocks: ~15% of a GRPO step's ``forward_backward`` (docs/engine-notes.md, shared prompts; bench/bench_rl_step.py).
+blocks: a visible share of a GRPO step's ``forward_backward`` (docs/engine-notes.md, shared prompts; bench/bench_rl_step.py).
 
 Here, as in the sampler's decode steps (shared_prompt_kv.py), the attention is computed in two parts:
 

@@ -1,10 +1,10 @@
 """The portable sampler's decode step over a preallocated KV cache, replayed as a CUDA graph on a GPU.
 
-A decode step through transformers' layers is ~1500 kernel launches for a 1B model; on a GPU the host
-cannot issue them as fast as the card runs them (bench/bench_gpu.py's profile: 68 ms of device time in
-342 ms of host time). This step is written out for the Llama-shaped families (Llama, Qwen2, Qwen3,
-Mistral without sliding windows) over buffers that never move, so the whole step is captured once
-per (rows, columns) bucket and replayed with one launch.
+A decode step through transformers' layers is well over a thousand kernel launches for a 1B model; on a
+GPU the host cannot issue them as fast as the card runs them (docs/localtinker-gpu.md). This step is
+written out for the Llama-shaped families (Llama, Qwen2, Qwen3, Mistral without sliding windows) over
+buffers that never move, so the whole step is captured once per (rows, columns) bucket and replayed with
+one launch.
 
 Layout: ``keys[layer]`` / ``values[layer]`` are ``[slots, kv heads, columns, head dim]``; a row's token at
 position *p* sits in column *p* (right-padded, unlike ``kv_rows``'s left padding), so a row attends to the
@@ -176,7 +176,6 @@ class StaticDecoder:
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self.use_graphs = self.device.type == "cuda"
         self.graph_error: str | None = None  # why graphs were switched off, if they were
-        self.softcap = final_softcap(model.config)
 
     @property
     def captured_graphs(self) -> int:
@@ -305,7 +304,7 @@ class StaticDecoder:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         # Each graph gets its own memory pool (a few logit rows' worth): a pool shared between graphs must
         # outlive them all, and a capture into the handle of one whose graphs were dropped trips the caching
-        # allocator's assertion (seen on torch 2.11).
+        # allocator's assertion.
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             logits = self._forward(rows, columns)
@@ -337,7 +336,4 @@ class StaticDecoder:
             x = projections["o_proj"](out.reshape(rows, self.heads * self.head_dim), residual=x)
             gate, up = projections["gate_up"](_rms_norm(layer.post_attention_layernorm, x))
             x = projections["down_proj"](layer.mlp.act_fn(gate) * up, residual=x)
-        logits = self.head(_rms_norm(self.norm, x)).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return self.head(_rms_norm(self.norm, x)).float()  # no final soft cap: such models are not taken

@@ -10,7 +10,7 @@ Entry points: ``train(config.training, DpoRecipe(config, pairs_table), service_c
 from posttrain.preference.data import BadPairError, Pair, PairBatching, PreferencePairs, Side, pairs_from_table
 from posttrain.preference.dpo import dpo_loss, dpo_loss_fn
 from posttrain.preference.eval import PairAccuracyEvaluator, WinRate, WinRateEvaluator, compare_policies, win_rate_from_outcomes, win_rate_of
-from posttrain.preference.onpolicy import OnPolicyPairs, accumulate_comparisons, build_onpolicy_pairs, sampler_of
+from posttrain.preference.onpolicy import OnPolicyPairs, accumulate_comparisons, build_onpolicy_pairs, samplers_in
 from posttrain.preference.recipe import DpoConfig, DpoRecipe
 from posttrain.preference.reference import REFERENCE_LOGPROBS, ReferenceSums, compute_reference_logprobs, reference_sampling_client
 
@@ -36,7 +36,7 @@ __all__ = [
     "dpo_loss_fn",
     "pairs_from_table",
     "reference_sampling_client",
-    "sampler_of",
+    "samplers_in",
     "win_rate_from_outcomes",
     "win_rate_of",
 ]

@@ -129,6 +129,11 @@ def sampler_of(row: dict) -> str:
     return source[len(SOURCE_PREFIX):] if source.startswith(SOURCE_PREFIX) else source
 
 
+def samplers_in(table: pa.Table) -> list[str]:
+    """The sampler paths of a comparisons table, in the order their rows first appear."""
+    return list(dict.fromkeys(sampler_of(row) for row in table.select(["source"]).to_pylist()))
+
+
 def accumulate_comparisons(kept: pa.Table, new: pa.Table) -> pa.Table:
     """``kept`` comparisons (an earlier version of the table: earlier policies' graded answers) followed by
     ``new`` ones (one more policy's), for a judge trained on every policy it has to grade — iterated RLHF,
@@ -139,8 +144,8 @@ def accumulate_comparisons(kept: pa.Table, new: pa.Table) -> pa.Table:
     ``ValueError`` when ``new``'s sampler is already in ``kept`` (its comparisons would count twice) or a
     prompt would be in both splits (the kept rows came from another split of the problems)."""
     kept_rows, new_rows = kept.to_pylist(), new.to_pylist()
-    samplers = list(dict.fromkeys(sampler_of(row) for row in kept_rows))
-    repeated = sorted({sampler_of(row) for row in new_rows} & set(samplers))
+    samplers = samplers_in(kept)
+    repeated = sorted(set(samplers_in(new)) & set(samplers))
     if repeated:
         raise ValueError(f"the kept comparisons already hold the answers of {', '.join(repeated)}: sample another "
                          "checkpoint, or materialize without accumulate to start a new table")

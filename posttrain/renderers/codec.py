@@ -142,8 +142,8 @@ class WordCachedBPE:
 
     Under the usual patterns (``_SPACE_SEPARABLE_PATTERNS``) most texts need no regex at all: when a
     text's only whitespace is single spaces between words, ``str.split(" ")`` cuts it where the regex
-    would also cut, and each space-led run (``" word,"``) is looked up whole. The regex ran at ~60% of
-    the content encoding time of a 10,000-conversation dataset.
+    would also cut, and each space-led run (``" word,"``) is looked up whole. The regex was most of
+    the content encoding time of a large dataset (docs/benchmarks.md).
     """
 
     def __init__(self, model: Any, pattern: str, nfc: bool):
