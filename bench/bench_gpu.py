@@ -334,6 +334,9 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
     say(f"{key}.ours.decode_graphs", float(sum(d.captured_graphs for d in decoders if d.use_graphs)))
     for error in {d.graph_error for d in decoders if d.graph_error}:
         print(f"  {key}: decode graphs off: {error}", flush=True)
+    say(f"{key}.ours.decode_compiled", float(any(d.compiled for d in decoders)))
+    for error in {d.compile_error for d in decoders if d.compile_error}:
+        print(f"  {key}: decode step not compiled: {error}", flush=True)
     if big:  # the memory check: 64 × 512 sampled on the same card that trained 8 × 2048
         reset_peak()
         long_run = timed(lambda: our_sample(engine, f"sampler-{key}", prompts, 4 * new), 0)

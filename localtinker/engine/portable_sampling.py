@@ -28,8 +28,8 @@ from localtinker.engine.families import final_softcap
 from localtinker.engine.kv_rows import RowCache, first_used_column, left_pad, select_rows
 from localtinker.engine.sample_stream import RESERVED_TOKENS_PER_SAMPLE, SamplingBackend, SamplingTarget
 from localtinker.engine.sampler import SampleRow, record_token, rows_for
-from localtinker.engine.static_decode import StaticDecoder, static_decode_supported
-from localtinker.engine.token_choice import choose_tokens_on_device
+from localtinker.engine.static_decode import CONTROLS, StaticDecoder, bucket, static_decode_supported
+from localtinker.engine.token_choice import choose_tokens_on_device, filters, next_uniforms
 
 # Σ (prompt + samples × min(max_tokens, 1024)) admitted at once. A GPU holds far more keys than a CPU can
 # attend to per step: 64 prompts × 8 samples × 1024 tokens fit an 8B model's cache on an 80 GB card.
@@ -56,8 +56,24 @@ class _Request:
         return SampleResult(sequences, self.prompt_logprobs)
 
 
+@dataclass
+class _Queued:
+    """A static decode step on its way through the device, its tokens not read by the host yet."""
+
+    rows: list[SampleRow]  # slot order when it was launched
+    tokens: torch.Tensor  # host copies (pinned on a GPU), valid once ``ready`` has fired
+    logprobs: torch.Tensor
+    ready: torch.cuda.Event | None
+
+
 class _Batch:
-    """The running rows of one set of weights."""
+    """The running rows of one set of weights.
+
+    With a static decoder and no row filtering its distribution (top-k/top-p), each decode step chooses its
+    tokens inside the step's graph, and the batch keeps one step queued ahead: it launches step *t + 1*,
+    then reads step *t*'s tokens, so the host's work (graph launch, stop checks) overlaps the device's.
+    A row that finished at step *t* has run one step too many; that token is dropped.
+    """
 
     def __init__(self, target: SamplingTarget, static: bool = False) -> None:
         self.target = target
@@ -73,6 +89,10 @@ class _Batch:
         self.last = torch.zeros((0,), dtype=torch.long, device=self.device)
         self.static: StaticDecoder | None = None
         self.next_positions: list[int] = []  # static decode: each row's next position, on the host
+        self.queued: _Queued | None = None
+        self._host: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None, None]  # two turns
+        self._turn = 0
+        self.vocab = self.lm_head.weight.shape[0]
         if static and static_decode_supported(model):
             self.static = StaticDecoder.acquire(model)
             self.static.set_adapter(target.adapter)
@@ -86,6 +106,7 @@ class _Batch:
 
     def admit(self, requests: list[_Request]) -> list[_Request]:
         """Prefills the requests' prompts and draws their first tokens; returns requests already complete."""
+        done = self._collect()  # a queued step's rows take their token before others join
         prompts = list(dict.fromkeys(r.spec.prompt_tokens for r in requests))
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.target.pad_token_id, dtype=torch.long)
@@ -98,7 +119,6 @@ class _Batch:
         cache = RowCache()
         hidden = self.decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                               use_cache=True).last_hidden_state
-        done: list[_Request] = []
         index: list[int] = []
         new_rows: list[SampleRow] = []
         for request in requests:
@@ -133,17 +153,79 @@ class _Batch:
     def step(self) -> list[_Request]:
         """One decode step for every row; returns the requests whose last row just finished."""
         if self.static is not None:
+            if not filters(self.rows, self.vocab):
+                launched = self._launch()
+                done = self._collect()
+                self.queued = launched
+                return done
+            done = self._collect()
+            if not self.rows:
+                return done
             rows, last = len(self.rows), max(self.next_positions)
             self.static.reserve(rows, last + 1)
             logits = self.static.step(rows, last)
             self.static.positions[:rows] += 1
             self.next_positions = [p + 1 for p in self.next_positions]
-            return self._record(logits, self.rows, start=0)
+            return done + self._record(logits, self.rows, start=0)
         self.mask = torch.cat([self.mask, torch.ones((len(self.rows), 1), dtype=torch.long, device=self.device)], 1)
         hidden = self.decoder(input_ids=self.last[:, None], attention_mask=self.mask, position_ids=self.positions[:, None],
                               past_key_values=self.cache, use_cache=True).last_hidden_state[:, -1]
         self.positions = self.positions + 1
         return self._record(output_logits(hidden, self.lm_head, self.softcap), self.rows, start=0)
+
+    def _launch(self) -> _Queued:
+        """Queues a static step that chooses its tokens on the device; waits for nothing."""
+        rows, last = len(self.rows), max(self.next_positions)
+        self.static.reserve(rows, last + 1)
+        controls, tokens, logprobs = self._host_buffers()
+        width = bucket(rows)
+        controls[:, rows:width] = torch.tensor([0.0, 1.0, 0.0, 0.0])[:, None]  # free slots: finite, not live
+        controls[:, :rows] = torch.tensor([
+            next_uniforms(self.rows),
+            [row.temperature if row.temperature > 0 else 1.0 for row in self.rows],
+            [float(row.temperature == 0) for row in self.rows],
+            [1.0] * rows,
+        ])
+        self.static.controls[:, :width].copy_(controls[:, :width], non_blocking=True)
+        self.static.step_and_choose(rows, last)
+        tokens[:rows].copy_(self.static.tokens[:rows], non_blocking=True)
+        logprobs[:rows].copy_(self.static.chosen_logprobs[:rows], non_blocking=True)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        self.next_positions = [p + 1 for p in self.next_positions]
+        return _Queued(list(self.rows), tokens[:rows], logprobs[:rows], ready)
+
+    def _host_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This turn's host buffers (controls, tokens, logprobs), sized to the decoder's slots. Two turns
+        alternate: a step's buffers are reused two launches later, after its tokens were read."""
+        self._turn ^= 1
+        slots, kept = self.static.slots, self._host[self._turn]
+        if kept is None or kept[1].shape[0] < slots:
+            pin = self.device.type == "cuda"
+            kept = self._host[self._turn] = (torch.empty((len(CONTROLS), slots), pin_memory=pin),
+                                             torch.empty((slots,), dtype=torch.long, pin_memory=pin),
+                                             torch.empty((slots,), dtype=torch.float32, pin_memory=pin))
+        return kept
+
+    def _collect(self) -> list[_Request]:
+        """Reads the queued step's tokens into its rows (those still running); returns finished requests."""
+        queued, self.queued = self.queued, None
+        if queued is None:
+            return []
+        if queued.ready is not None:
+            queued.ready.synchronize()
+        done: list[_Request] = []
+        tokenizer = self.target.tokenizer
+        for row, token, logprob in zip(queued.rows, queued.tokens.tolist(), queued.logprobs.tolist()):
+            if row.stop_reason is None and record_token(row, token, logprob, tokenizer):
+                row.request.left -= 1
+                if row.request.left == 0:
+                    done.append(row.request)
+        if any(row.stop_reason for row in self.rows):
+            self._keep([i for i, row in enumerate(self.rows) if row.stop_reason is None])
+        return done
 
     def _record(self, logits: torch.Tensor, rows: list[SampleRow], start: int) -> list[_Request]:
         tokens, logprobs = choose_tokens_on_device(logits, rows)

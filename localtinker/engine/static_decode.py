@@ -12,6 +12,10 @@ columns ``≤ its position`` and needs no mask tensor from the host. Rows live i
 row's slot is filled by compaction. Inputs (``tokens``, ``positions``) are written in place before each
 replay. The LoRA factors of the sampler's adapter are copied into buffers of the decoder's own, so one
 set of graphs serves every adapter of the same layout (an RL loop samples a new snapshot every step).
+Each layer runs decode_layer.py's pieces (compiled on a GPU with Triton): q/k/v, and gate/up, are one
+product each over weights the modules share (:class:`_SharedInput`). A step can also choose its tokens
+inside the graph (:meth:`StaticDecoder.step_and_choose`), so the host need not wait for it before queuing
+the next one.
 
 Attention groups a KV head's query heads as a short query sequence (``[rows, kv heads, group, dim]``)
 against that head's cache, so no key is repeated per query head, and is written as two products with a
@@ -26,16 +30,19 @@ import warnings
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from localtinker.engine.decode_layer import Projection, compile_by_default, pieces, project, rms
 from localtinker.engine.families import architecture, final_softcap, text_config, uses_sliding_windows
+from localtinker.engine.token_choice import draw
 
 STATIC_DECODE_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 MIN_COLUMNS = 128  # a graph is captured per power-of-two bucket of rows and of attended columns
 _POOL = "_localtinker_static_decoders"  # on the base model: decoders whose batch has drained, graphs kept
 _KEPT_DECODERS = 2
 _KEPT_CACHE_SHARE = 1 / 8  # of the device's memory: the pooled decoders' caches together, at most
-_MASKED = torch.finfo(torch.float32).min
+# Rows of StaticDecoder.controls, per slot: the row's next uniform draw, its temperature (1 for greedy and free
+# slots), 1 for greedy, 1 for a live row (a free slot in the bucket's width must not move its position on).
+CONTROLS = ("uniform", "temperature", "greedy", "live")
 
 
 def pooled_decoders(model: torch.nn.Module) -> list[StaticDecoder]:
@@ -47,9 +54,14 @@ def static_decode_supported(model: torch.nn.Module) -> bool:
     """Whether :class:`StaticDecoder` computes this model's own decode step."""
     config = model.config
     text = text_config(config)
-    return (architecture(config) in STATIC_DECODE_FAMILIES and not final_softcap(config)
+    if not (architecture(config) in STATIC_DECODE_FAMILIES and not final_softcap(config)
             and not uses_sliding_windows(config) and getattr(text, "hidden_act", "silu") == "silu"
-            and not any(p.dim() == 3 for p in model.parameters()))
+            and not any(p.dim() == 3 for p in model.parameters())):
+        return False
+    base = lambda module: getattr(module, "base_layer", module)  # noqa: E731 - peft's wrapper or the layer
+    return all(_plain([base(m) for m in group]) for layer in model.get_decoder().layers for group in (
+        (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj), (layer.self_attn.o_proj,),
+        (layer.mlp.gate_proj, layer.mlp.up_proj), (layer.mlp.down_proj,))) and _plain([base(model.get_output_embeddings())])
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -85,69 +97,101 @@ class _Projection:
         self.b_t.copy_(b_t)
         return fresh
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``residual + base(x) + (x Aᵀ)(s·B)ᵀ``; the residual is added inside the base product's GEMM."""
-        base = self.base
-        if residual is None:
-            out = base(x)
-        elif type(base) is torch.nn.Linear and base.bias is None:
-            out = torch.addmm(residual, x, base.weight.t())
-        else:
-            out = base(x) + residual
-        if self.a is not None:
-            out.addmm_(F.linear(x.to(out.dtype), self.a), self.b_t)
-        return out
+    def parts(self) -> Projection:
+        return self.base.weight, self.base.bias, self.a, self.b_t
 
 
 class _SharedInput:
-    """Projections that read the same input (q/k/v; gate/up): their base products, then one product of the
-    input with all their A factors stacked, each output taking its slice through its (s·B)ᵀ."""
+    """Projections that read the same input (q/k/v; gate/up) as one product.
+
+    Their base weights are re-pointed, once per model, into one concatenated tensor: each module's weight
+    becomes a view of its rows, so no memory is added and the trainer reads the very same values. The
+    adapter's factors run as one product of the input with every A stacked, then one product with the
+    B factors laid out block-diagonally, added into the concatenated output; each projection takes its
+    columns. A decode step is bound by its number of kernels (docs/localtinker-gpu.md): q/k/v go from seven
+    products to three.
+    """
 
     def __init__(self, projections: list[_Projection]) -> None:
         self.projections = projections
+        self.sizes = [projection.base.weight.shape[0] for projection in projections]
+        self.weight, self.bias = _concatenated([projection.base for projection in projections])
         self.a: torch.Tensor | None = None
+        self.b: torch.Tensor | None = None
 
     def load(self, adapter: str | None, compute: torch.dtype) -> bool:
         fresh = any([projection.load(adapter, compute) for projection in self.projections])
-        factors = [projection.a for projection in self.projections]
-        if any(a is None for a in factors):  # a layout that adapts only some of them: one product each
-            self.a = None
+        adapted = [projection for projection in self.projections if projection.a is not None]
+        if not adapted:
+            self.a = self.b = None
             return fresh
-        rows = sum(a.shape[0] for a in factors)
-        if self.a is None or self.a.shape[0] != rows or self.a.dtype != compute:
-            self.a = torch.empty((rows, factors[0].shape[1]), dtype=compute, device=factors[0].device)
+        ranks = [0 if projection.a is None else projection.a.shape[0] for projection in self.projections]
+        if self.a is None or self.a.shape[0] != sum(ranks) or self.a.dtype != compute:
+            device = adapted[0].a.device
+            self.a = torch.empty((sum(ranks), adapted[0].a.shape[1]), dtype=compute, device=device)
+            self.b = torch.zeros((sum(ranks), sum(self.sizes)), dtype=compute, device=device)
             fresh = True
-        torch.cat(factors, out=self.a)
+        torch.cat([projection.a for projection in adapted], out=self.a)
+        row = column = 0
+        for projection, rank, size in zip(self.projections, ranks, self.sizes):
+            if rank:
+                self.b[row : row + rank, column : column + size] = projection.b_t
+            row, column = row + rank, column + size
         return fresh
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if self.a is None:
-            return [projection(x) for projection in self.projections]
-        outs = [projection.base(x) for projection in self.projections]
-        low = F.linear(x.to(outs[0].dtype), self.a)  # [rows, Σ ranks]
-        start = 0
-        for projection, out in zip(self.projections, outs):
-            rank = projection.b_t.shape[0]
-            out.addmm_(low[:, start : start + rank], projection.b_t)
-            start += rank
-        return outs
+    def parts(self) -> Projection:
+        return self.weight, self.bias, self.a, self.b
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+_CONCATENATED = "_localtinker_concatenated"  # on the first base layer: (weight, bias) its group's views share
 
 
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The families' RMSNorm (float32 statistics, the weight applied in the input's dtype) through torch's
-    fused kernel: one launch where the module's own forward makes six."""
-    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
+def _plain(bases: list[torch.nn.Module]) -> bool:
+    """Whether ``bases`` are plain ``Linear`` layers of one layout (one input size, dtype, device; biases on
+    all or none), which :func:`_concatenated` can hold."""
+    if not all(type(base) is torch.nn.Linear for base in bases):
+        return False
+    first = bases[0].weight
+    return (all(b.weight.dtype == first.dtype and b.weight.device == first.device
+                and b.weight.shape[1] == first.shape[1] for b in bases)
+            and len({b.bias is None for b in bases}) == 1)
+
+
+def _concatenated(bases: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One tensor holding ``bases``' weights (and biases) row after row, each base's own parameter then a
+    view of its rows."""
+    weights = [base.weight for base in bases]
+    biases = [base.bias for base in bases]
+    kept = bases[0].__dict__.get(_CONCATENATED)
+    if kept is not None and _views_of(kept[0], weights) and (kept[1] is None or _views_of(kept[1], biases)):
+        return kept
+    with torch.inference_mode(False), torch.no_grad():  # the trainer's parameters: never inference tensors
+        weight = torch.cat([w.detach() for w in weights])
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        for parameters, whole in ((weights, weight), (biases, bias)):
+            if whole is not None:
+                for parameter, rows in zip(parameters, whole.split([w.shape[0] for w in weights])):
+                    parameter.data = rows
+    bases[0].__dict__[_CONCATENATED] = (weight, bias)
+    return weight, bias
+
+
+def _views_of(whole: torch.Tensor, parts: list[torch.Tensor]) -> bool:
+    """Whether ``parts`` are still ``whole``'s consecutive rows (nothing replaced a weight since)."""
+    offset = 0
+    for part in parts:
+        if part.data_ptr() != whole.data_ptr() + offset * whole.element_size() or not part.is_contiguous():
+            return False
+        offset += part.numel()
+    return offset == whole.numel()
 
 
 class StaticDecoder:
     """Decode steps of one base model over its own KV buffers (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, compiled: bool | None = None) -> None:
+        """``compiled``: the layer pieces through ``torch.compile`` (decode_layer.py); None = on CUDA with
+        Triton, unless ``LOCALTINKER_DECODE_COMPILE=0``."""
         self.model = model
         decoder = model.get_decoder()
         self.embed, self.norm, self.rotary = decoder.embed_tokens, decoder.norm, decoder.rotary_emb
@@ -159,6 +203,8 @@ class StaticDecoder:
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.scale = float(attention.scaling)
+        self.eps = float(self.layers[0].input_layernorm.variance_epsilon)
+        self.qk_eps = float(attention.q_norm.variance_epsilon) if hasattr(attention, "q_norm") else self.eps
         self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
         self.projections = [
             {"qkv": _SharedInput([_Projection(getattr(layer.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj")]),
@@ -172,10 +218,18 @@ class StaticDecoder:
         self.values: list[torch.Tensor] = []
         self.tokens = torch.zeros((0,), dtype=torch.long, device=self.device)
         self.positions = torch.zeros((0,), dtype=torch.long, device=self.device)
+        # the in-graph token choice's inputs, per slot (see CONTROLS), and output
+        self.controls = torch.zeros((len(CONTROLS), 0), dtype=torch.float32, device=self.device)
+        self.chosen_logprobs = torch.zeros((0,), dtype=torch.float32, device=self.device)
         self._cos = self._sin = self._column_ids = None
-        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int, bool], tuple[Any, torch.Tensor]] = {}
         self.use_graphs = self.device.type == "cuda"
         self.graph_error: str | None = None  # why graphs were switched off, if they were
+        by_default, why_not = compile_by_default(self.device)
+        self.compiled = by_default if compiled is None else compiled
+        self.compile_error = None if self.compiled else why_not  # why the pieces are not compiled
+        self._pieces = pieces(self.compiled)
+        self._layer_parts: list[tuple] = []
 
     @property
     def captured_graphs(self) -> int:
@@ -211,6 +265,13 @@ class StaticDecoder:
         compute = self.head.base.weight.dtype
         fresh = [projection.load(adapter, self.dtype) for layer in self.projections for projection in layer.values()]
         fresh.append(self.head.load(adapter, compute))
+        self._layer_parts = [
+            (layer.input_layernorm.weight, parts["qkv"].parts(), getattr(getattr(layer.self_attn, "q_norm", None),
+             "weight", None), getattr(getattr(layer.self_attn, "k_norm", None), "weight", None),
+             parts["o_proj"].parts(), layer.post_attention_layernorm.weight, parts["gate_up"].parts(),
+             parts["down_proj"].parts())
+            for layer, parts in zip(self.layers, self.projections)
+        ]
         if any(fresh):
             self._drop_graphs()
 
@@ -240,6 +301,8 @@ class StaticDecoder:
         positions = torch.zeros((slots,), dtype=torch.long, device=self.device)
         tokens[: self.slots], positions[: self.slots] = self.tokens, self.positions
         self.tokens, self.positions = tokens, positions
+        self.controls = torch.zeros((len(CONTROLS), slots), dtype=torch.float32, device=self.device)
+        self.chosen_logprobs = torch.zeros((slots,), dtype=torch.float32, device=self.device)
         self.slots, self.columns = slots, columns
         ids = torch.arange(columns, device=self.device)
         cos, sin = self.rotary(self.embed.weight[:1][None], ids[None])
@@ -276,64 +339,99 @@ class StaticDecoder:
     def step(self, rows: int, last_position: int) -> torch.Tensor:
         """float32 logits [rows, vocab] of the next token of slots ``0..rows-1``, each reading ``tokens`` at
         ``positions`` (written into the cache first); ``last_position`` is the largest position among them."""
+        return self._run(rows, last_position, choose=False)[:rows]
+
+    @torch.inference_mode()
+    def step_and_choose(self, rows: int, last_position: int) -> None:
+        """:meth:`step`, then each row's next token chosen on the device from ``controls`` as
+        ``token_choice.choose_tokens_on_device`` chooses it without top-k/top-p: the token goes to
+        ``tokens`` (the next step's input), its logprob to ``chosen_logprobs``, and live rows' ``positions``
+        advance. Nothing here waits for the device, so the host can queue the next step before
+        it reads this one's tokens (portable_sampling.py)."""
+        self._run(rows, last_position, choose=True)
+
+    def _run(self, rows: int, last_position: int, choose: bool) -> torch.Tensor:
+        try:
+            return self._run_once(rows, last_position, choose)
+        except Exception as error:  # noqa: BLE001 - a compiler failure: say why once, decode uncompiled
+            if not self.compiled or isinstance(error, ValueError):
+                raise
+            # The failed call wrote at most this step's keys (rewritten below): tokens and positions move last.
+            self.compile_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            warnings.warn(f"static decode: compiling the decode step failed ({self.compile_error}); "
+                          "decoding uncompiled", RuntimeWarning, stacklevel=3)
+            self.compiled, self._pieces = False, pieces(False)
+            self._drop_graphs()
+            return self._run_once(rows, last_position, choose)
+
+    def _run_once(self, rows: int, last_position: int, choose: bool) -> torch.Tensor:
         width, columns = bucket(rows), bucket(last_position + 1, MIN_COLUMNS)
         if width > self.slots or columns > self.columns:
             raise ValueError(f"static decode: {rows} rows at position {last_position} exceed the reserved "
                              f"{self.slots} × {self.columns}")
         if not self.use_graphs:
-            return self._forward(width, columns)[:rows]
-        graph = self._graphs.get((width, columns))
+            return self._body(width, columns, choose)
+        graph = self._graphs.get((width, columns, choose))
         if graph is None:
             try:
-                graph = self._graphs[(width, columns)] = self._capture(width, columns)
+                graph = self._graphs[(width, columns, choose)] = self._capture(width, columns, choose)
             except RuntimeError as error:  # an op this torch cannot capture: decode eagerly, and say so once
                 self.graph_error = f"{type(error).__name__}: {error}"
                 warnings.warn(f"static decode: CUDA graph capture failed ({error}); decoding without graphs",
-                              RuntimeWarning, stacklevel=2)
+                              RuntimeWarning, stacklevel=3)
                 self.use_graphs = False
-                return self._forward(width, columns)[:rows]
+                return self._body(width, columns, choose)
         graph[0].replay()
-        return graph[1][:rows]
+        return graph[1]
 
-    def _capture(self, rows: int, columns: int) -> tuple[Any, torch.Tensor]:
-        # The warm-up and the capture write this step's keys into the cache, as the replay then does again.
+    def _capture(self, rows: int, columns: int, choose: bool) -> tuple[Any, torch.Tensor]:
+        # The warm-up writes this step's keys into the cache, as the replay then does again; a choosing step
+        # also moves tokens and positions on, which are put back before the capture (that runs nothing).
+        saved = (self.tokens.clone(), self.positions.clone())
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._forward(rows, columns)
+            self._body(rows, columns, choose)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.tokens.copy_(saved[0])
+        self.positions.copy_(saved[1])
         # Each graph gets its own memory pool (a few logit rows' worth): a pool shared between graphs must
         # outlive them all, and a capture into the handle of one whose graphs were dropped trips the caching
         # allocator's assertion.
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits = self._forward(rows, columns)
-        return graph, logits
+            out = self._body(rows, columns, choose)
+        return graph, out
+
+    def _body(self, rows: int, columns: int, choose: bool) -> torch.Tensor:
+        logits = self._forward(rows, columns)
+        if not choose:
+            return logits
+        uniforms, temperatures, greedy, live = self.controls[:, :rows]
+        logprobs = (logits / temperatures[:, None]).log_softmax(dim=-1)
+        tokens = torch.where(greedy > 0, logprobs.argmax(dim=-1), draw(logprobs.exp(), uniforms))
+        self.chosen_logprobs[:rows] = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        self.tokens[:rows] = tokens
+        self.positions[:rows] += live.long()
+        return logits
 
     def _forward(self, rows: int, columns: int) -> torch.Tensor:
         tokens, positions = self.tokens[:rows], self.positions[:rows]
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]  # [rows, 1, dim]
         hidden = (self._column_ids[:columns][None] > positions[:, None])[:, None, None]  # [rows, 1, 1, columns]
         slot = positions.view(rows, 1, 1, 1).expand(rows, self.kv_heads, 1, self.head_dim)
-        group = self.heads // self.kv_heads
+        pre_attention, attention_weights, post_attention = self._pieces
         x = self.embed(tokens)
-        for layer, projections, keys, values in zip(self.layers, self.projections, self.keys, self.values):
-            attention = layer.self_attn
-            q, k, v = projections["qkv"](_rms_norm(layer.input_layernorm, x))
-            q = q.view(rows, self.heads, self.head_dim)
-            k = k.view(rows, self.kv_heads, self.head_dim)
-            v = v.view(rows, self.kv_heads, self.head_dim)
-            if hasattr(attention, "q_norm"):
-                q, k = _rms_norm(attention.q_norm, q), _rms_norm(attention.k_norm, k)
-            qk = _rotate(torch.cat((q, k), dim=1), cos, sin)  # one rotation for both
-            q, k = qk[:, : self.heads], qk[:, self.heads :]
+        for (norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down), keys, values in zip(
+                self._layer_parts, self.keys, self.values):
+            q, k, v = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, self.heads, self.kv_heads, self.eps,
+                                    self.qk_eps)
             keys[:rows].scatter_(2, slot, k[:, :, None])
             values[:rows].scatter_(2, slot, v[:, :, None])
-            scores = torch.matmul(q.view(rows, self.kv_heads, group, self.head_dim),
-                                  keys[:rows, :, :columns].transpose(-1, -2)).float() * self.scale
-            weights = torch.softmax(scores.masked_fill(hidden, _MASKED), dim=-1).to(v.dtype)
+            weights = attention_weights(torch.matmul(q, keys[:rows, :, :columns].transpose(-1, -2)), hidden,
+                                        self.scale)
             out = torch.matmul(weights, values[:rows, :, :columns])  # [rows, kv heads, group, dim]
-            x = projections["o_proj"](out.reshape(rows, self.heads * self.head_dim), residual=x)
-            gate, up = projections["gate_up"](_rms_norm(layer.post_attention_layernorm, x))
-            x = projections["down_proj"](layer.mlp.act_fn(gate) * up, residual=x)
-        return self.head(_rms_norm(self.norm, x)).float()  # no final soft cap: such models are not taken
+            x = post_attention(out.reshape(rows, self.heads * self.head_dim), x, o_proj, post_norm, gate_up, down,
+                               self.eps)
+        # no final soft cap: such models are not taken
+        return project(rms(x, self.norm.weight, self.eps), self.head.parts()).float()

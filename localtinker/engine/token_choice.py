@@ -20,19 +20,32 @@ def choose_tokens_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> tupl
     if any(t != 1.0 for t in temperatures):
         logits = logits / torch.tensor(temperatures, device=device)[:, None]
     logprobs = logits.log_softmax(dim=-1)
-    uniforms = torch.tensor([float(torch.rand((), generator=row.generator)) for row in rows], device=device)
-    weights = _filtered(logprobs, rows).exp() if _filters(rows, vocab) else logprobs.exp()
-    cdf = weights.cumsum(dim=-1)
-    tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
-    last_positive = vocab - 1 - (weights.flip(-1) > 0).int().argmax(dim=-1)  # rounding at the top end
-    tokens = torch.minimum(tokens, last_positive)
+    uniforms = torch.tensor(next_uniforms(rows), device=device)
+    weights = _filtered(logprobs, rows).exp() if filters(rows, vocab) else logprobs.exp()
+    tokens = draw(weights, uniforms)
     greedy = torch.tensor([row.temperature == 0 for row in rows], device=device)
     if bool(greedy.any()):
         tokens = torch.where(greedy, logprobs.argmax(dim=-1), tokens)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _filters(rows: list[SampleRow], vocab: int) -> bool:
+def next_uniforms(rows: list[SampleRow]) -> list[float]:
+    """Each row's next draw from its own generator: one per row per step, whichever path decodes."""
+    return [float(torch.rand((), generator=row.generator)) for row in rows]
+
+
+def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Where each row's uniform falls in its cumulative (unnormalised) distribution ``weights`` [rows, vocab].
+    Shape-static and free of host synchronisation, so a CUDA graph can hold it (static_decode.py)."""
+    vocab = weights.shape[-1]
+    cdf = weights.cumsum(dim=-1)
+    tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    last_positive = vocab - 1 - (weights.flip(-1) > 0).int().argmax(dim=-1)  # rounding at the top end
+    return torch.minimum(tokens, last_positive)
+
+
+def filters(rows: list[SampleRow], vocab: int) -> bool:
+    """Whether any row narrows its distribution (top-k or top-p)."""
     return any(0 < row.top_k < vocab or row.top_p < 1 for row in rows)
 
 

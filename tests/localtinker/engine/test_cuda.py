@@ -4,6 +4,8 @@ within the rounding of bf16 activations; weights stay bf16 on the device, LoRA a
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
@@ -109,10 +111,11 @@ def test_bf16_sampler_matches_the_trainer(cuda_bf16):
 
 
 def test_decode_graphs_agree_with_the_trainer(tmp_path):
-    """The static decode step replayed as CUDA graphs (the GPU's default sampler), in float32, across row
-    compaction and cache growth: its logprobs are the trainer's on the tokens it drew. (Tokens are not compared
-    with the dynamic cache's: a tiny random model's near-uniform distribution turns float32 kernel noise into
-    a different draw within a few dozen steps.)"""
+    """The static decode step replayed as CUDA graphs (the GPU's default sampler: layer pieces compiled where
+    Triton is, tokens chosen inside the graph, one step queued ahead), in float32, across row compaction and
+    cache growth, and again from the pooled decoder: its logprobs are the trainer's on the tokens it drew.
+    (Tokens are not compared between runs: a tiny random model's near-uniform distribution turns float32
+    kernel noise, such as a bucket's graph recaptured with other compiled kernels, into a different draw.)"""
     from localtinker.engine.static_decode import MIN_COLUMNS, pooled_decoders
 
     lengths = (4, 40, MIN_COLUMNS + 10)  # rows leave at different steps; the last grows the cache
@@ -125,8 +128,10 @@ def test_decode_graphs_agree_with_the_trainer(tmp_path):
     results = engine.sample_batch([("graphs", spec) for spec in specs])
     (decoder,) = pooled_decoders(engine._hosts[TINY].base.model)
     assert decoder.use_graphs and decoder.captured_graphs >= 1, decoder.graph_error
+    assert decoder.compiled == (importlib.util.find_spec("triton") is not None), decoder.compile_error
     assert decoder.columns == 2 * MIN_COLUMNS  # graphs captured again after the cache grew
-    for spec, result in zip(specs, results):
+    again = engine.sample_batch([("graphs", spec) for spec in specs])  # the pooled decoder, its graphs kept
+    for spec, result in zip(specs + specs, results + again):
         assert not isinstance(result, Exception), result
         for sequence in result.sequences:
             assert len(sequence.tokens) == spec.max_tokens

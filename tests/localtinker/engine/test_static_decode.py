@@ -135,3 +135,81 @@ def test_step_refuses_rows_beyond_its_reservation():
     assert (decoder.slots, decoder.columns) == (8, MIN_COLUMNS)
     with pytest.raises(ValueError, match="exceed the reserved 8 × 128"):
         decoder.step(2, MIN_COLUMNS)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v carry biases
+def test_shared_input_products_reuse_the_trainers_weights(family):
+    """q/k/v and gate/up run as one product each over one tensor that the modules' own weights become views
+    of: no parameter memory is added, the trainer's forward and gradients are unchanged, and a second decoder
+    of the model finds the same tensor instead of concatenating again."""
+    model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32)
+    ids = torch.arange(3, 40)[None]
+    before = model(input_ids=ids).logits
+    before.sum().backward()
+    grad_before = model.model.layers[0].self_attn.k_proj.weight.grad.clone()
+    model.zero_grad()
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    bytes_before = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    decoder = StaticDecoder(model)
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    qkv, gate_up = decoder.projections[0]["qkv"], decoder.projections[0]["gate_up"]
+    assert (qkv.bias is not None) == (family == "qwen2")
+    for shared, modules in ((qkv, (attention.q_proj, attention.k_proj, attention.v_proj)),
+                            (gate_up, (mlp.gate_proj, mlp.up_proj))):
+        assert torch.equal(shared.weight, torch.cat([m.weight for m in modules]))
+        assert {m.weight.untyped_storage().data_ptr() for m in modules} == {shared.weight.untyped_storage().data_ptr()}
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) < len(storages)
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) == bytes_before
+
+    after = model(input_ids=ids).logits
+    after.sum().backward()
+    torch.testing.assert_close(after, before, atol=1e-6, rtol=0)
+    torch.testing.assert_close(attention.k_proj.weight.grad, grad_before, atol=1e-6, rtol=1e-6)
+    assert StaticDecoder(model).projections[0]["qkv"].weight is qkv.weight
+
+
+@torch.inference_mode()  # the decoder's buffers are inference tensors, written in place as the sampler does
+def test_the_queued_step_chooses_as_the_host_does():
+    """The choosing step (tokens drawn inside the step from per-slot uniforms and temperatures, positions moved
+    on for live slots only) picks what token_choice picks from the same step's logits and uniforms."""
+    from localtinker.engine.sampler import SampleRow
+    from localtinker.engine.token_choice import choose_tokens_on_device
+
+    model = AutoModelForCausalLM.from_pretrained(family_dir("llama"), dtype=torch.float32)
+    decoder = StaticDecoder(model)
+    decoder.reserve(3, 20)
+    decoder.tokens[:3] = torch.tensor([11, 12, 13])
+    decoder.positions[:3] = torch.tensor([0, 0, 0])
+    temperatures = [1.0, 0.6, 0.0]
+    rows = [SampleRow(request=None, temperature=t, top_k=0, top_p=1.0, max_tokens=4, stop_ids=(), stop_strings=(),
+                      generator=torch.Generator().manual_seed(i)) for i, t in enumerate(temperatures)]
+    expected_tokens, expected_logprobs = choose_tokens_on_device(decoder.step(3, 0).clone(), rows)
+    rows = [SampleRow(request=None, temperature=t, top_k=0, top_p=1.0, max_tokens=4, stop_ids=(), stop_strings=(),
+                      generator=torch.Generator().manual_seed(i)) for i, t in enumerate(temperatures)]
+    uniforms = [float(torch.rand((), generator=row.generator)) for row in rows]
+    decoder.controls[:, :4] = torch.tensor([[*uniforms, 0.0], [1.0, 0.6, 1.0, 1.0], [0, 0, 1, 0], [1, 1, 1, 0]])
+    decoder.step_and_choose(3, 0)
+    assert decoder.tokens[:3].tolist() == expected_tokens.tolist()
+    torch.testing.assert_close(decoder.chosen_logprobs[:3], expected_logprobs, atol=1e-6, rtol=0)
+    assert decoder.positions[:4].tolist() == [1, 1, 1, 0]  # the free slot in the bucket stays put
+
+
+@pytest.mark.parametrize("family", ["qwen3"])  # q/k norms: every piece of the layer is compiled
+@torch.inference_mode()
+def test_compiled_layer_pieces_decode_as_the_uncompiled_ones(family):
+    """The GPU compiles the layer pieces (decode_layer.py); the CPU's compiler checks here that the traced
+    pieces compute what the op-by-op ones do, step after step, across a change of row bucket."""
+    model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32)
+    decoders = [StaticDecoder(model, compiled=False), StaticDecoder(model, compiled=True)]
+    for decoder in decoders:
+        decoder.set_adapter(None)
+        decoder.reserve(5, 12)
+        decoder.tokens[:5] = torch.tensor([11, 12, 13, 14, 15])
+    for step, rows in enumerate((5, 5, 5, 2, 2)):  # 8 rows wide, then 2
+        logits = [decoder.step(rows, step) for decoder in decoders]
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
+        for decoder in decoders:
+            decoder.tokens[:rows] = logits[0].argmax(-1)
+            decoder.positions[:rows] += 1
+    assert decoders[1].compiled and decoders[1].compile_error is None

@@ -1,0 +1,101 @@
+"""One decoder layer's decode step as pure functions of tensors (static_decode.py's), optionally compiled.
+
+A layer's weights and its adapter's factors come in as arguments, so one compiled graph serves every layer
+of a model (and every adapter of its layout). On a GPU a decode step is bound by its number of kernels, not
+its bytes (docs/localtinker-gpu.md): between the products, the norms, the rotation, the softmax and the
+gated activation run as a few small kernels each when taken op by op, and ``torch.compile`` fuses each run
+of them into one. The cache writes and the two attention products stay outside the compiled pieces, so no
+compiled code mutates its inputs, and the pieces need no more than what any torch with Triton compiles.
+
+A projection is ``(weight, bias, A, (s·B)ᵀ)``: the frozen base layer and, for an adapted layer, the adapter's
+factors (None for none) in the compute dtype, as lora.py's fused forward computes them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+Projection = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+MASKED = torch.finfo(torch.float32).min
+COMPILE_ENV = "LOCALTINKER_DECODE_COMPILE"  # "0" keeps a GPU's decode step uncompiled
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The families' RMSNorm: float32 statistics, the weight applied in the input's dtype."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def project(x: torch.Tensor, projection: Projection, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``residual + x Wᵀ + b + (x Aᵀ)(s·B)ᵀ``; without a bias the residual is added inside the base GEMM."""
+    weight, bias, a, b_t = projection
+    if residual is not None and bias is None:
+        out = torch.addmm(residual, x, weight.t())
+    else:
+        out = F.linear(x, weight, bias)
+        if residual is not None:
+            out = out + residual
+    if a is not None:
+        out.addmm_(F.linear(x, a), b_t)
+    return out
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def pre_attention(x: torch.Tensor, norm: torch.Tensor, qkv: Projection, q_norm: torch.Tensor | None,
+                  k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                  eps: float, qk_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The normed input's q/k/v as one product, q and k (normed, for Qwen3) rotated in one pass: q as
+    ``[rows, kv heads, group, dim]`` (a KV head's query heads as a short query sequence), k and v as
+    ``[rows, kv heads, dim]``."""
+    rows, head_dim = x.shape[0], cos.shape[-1]
+    q, k, v = project(rms(x, norm, eps), qkv).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q, k = q.reshape(rows, heads, head_dim), k.reshape(rows, kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = rms(q, q_norm, qk_eps), rms(k, k_norm, qk_eps)
+    qk = rotate(torch.cat((q, k), dim=1), cos, sin)
+    return (qk[:, :heads].reshape(rows, kv_heads, heads // kv_heads, head_dim), qk[:, heads:],
+            v.reshape(rows, kv_heads, head_dim))
+
+
+def attention_weights(scores: torch.Tensor, hidden: torch.Tensor, scale: float) -> torch.Tensor:
+    """transformers' eager formula: scaled float32 scores, hidden columns masked, softmax, back to the dtype."""
+    return torch.softmax((scores.float() * scale).masked_fill(hidden, MASKED), dim=-1).to(scores.dtype)
+
+
+def post_attention(out: torch.Tensor, x: torch.Tensor, o_proj: Projection, norm: torch.Tensor, gate_up: Projection,
+                   down: Projection, eps: float) -> torch.Tensor:
+    """o_proj onto the residual stream, then the MLP: gate and up as one product, SiLU gate × up, down."""
+    x = project(out, o_proj, residual=x)
+    gate, up = project(rms(x, norm, eps), gate_up).chunk(2, dim=-1)
+    return project(F.silu(gate) * up, down, residual=x)
+
+
+PIECES = (pre_attention, attention_weights, post_attention)
+_compiled: dict[Callable, Callable] = {}
+
+
+def pieces(compiled: bool) -> tuple[Callable, ...]:
+    """The three pieces, each compiled once per process when asked (graphs are then keyed by shapes, not by
+    which layer or model calls them)."""
+    if not compiled:
+        return PIECES
+    return tuple(_compiled.setdefault(fn, torch.compile(fn, fullgraph=True)) for fn in PIECES)
+
+
+def compile_by_default(device: torch.device) -> tuple[bool, str | None]:
+    """(whether to compile, why not): on CUDA with Triton importable, unless ``LOCALTINKER_DECODE_COMPILE=0``."""
+    if os.environ.get(COMPILE_ENV) == "0":
+        return False, f"{COMPILE_ENV}=0"
+    if device.type != "cuda":
+        return False, f"not compiled on {device.type}"
+    if importlib.util.find_spec("triton") is None:
+        return False, "Triton is not installed"
+    return True, None
