@@ -59,9 +59,12 @@ def static_decode_supported(model: torch.nn.Module) -> bool:
             and not any(p.dim() == 3 for p in model.parameters())):
         return False
     base = lambda module: getattr(module, "base_layer", module)  # noqa: E731 - peft's wrapper or the layer
-    return all(_plain([base(m) for m in group]) for layer in model.get_decoder().layers for group in (
-        (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj), (layer.self_attn.o_proj,),
-        (layer.mlp.gate_proj, layer.mlp.up_proj), (layer.mlp.down_proj,))) and _plain([base(model.get_output_embeddings())])
+    groups = [[model.get_output_embeddings()]]
+    for layer in model.get_decoder().layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        groups += [[attention.q_proj, attention.k_proj, attention.v_proj], [attention.o_proj],
+                   [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]]
+    return all(_plain([base(module) for module in group]) for group in groups)
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -229,7 +232,7 @@ class StaticDecoder:
         self.compiled = by_default if compiled is None else compiled
         self.compile_error = None if self.compiled else why_not  # why the pieces are not compiled
         self._pieces = pieces(self.compiled)
-        self._layer_parts: list[tuple] = []
+        self._layer_parts = self._parts()
 
     @property
     def captured_graphs(self) -> int:
@@ -265,15 +268,20 @@ class StaticDecoder:
         compute = self.head.base.weight.dtype
         fresh = [projection.load(adapter, self.dtype) for layer in self.projections for projection in layer.values()]
         fresh.append(self.head.load(adapter, compute))
-        self._layer_parts = [
-            (layer.input_layernorm.weight, parts["qkv"].parts(), getattr(getattr(layer.self_attn, "q_norm", None),
-             "weight", None), getattr(getattr(layer.self_attn, "k_norm", None), "weight", None),
-             parts["o_proj"].parts(), layer.post_attention_layernorm.weight, parts["gate_up"].parts(),
-             parts["down_proj"].parts())
-            for layer, parts in zip(self.layers, self.projections)
-        ]
+        self._layer_parts = self._parts()
         if any(fresh):
             self._drop_graphs()
+
+    def _parts(self) -> list[tuple]:
+        """Each layer's tensors in the order its decode_layer.py pieces take them (the adapter's factors as
+        loaded now)."""
+        norm_weight = lambda module: None if module is None else module.weight  # noqa: E731
+        return [
+            (layer.input_layernorm.weight, parts["qkv"].parts(), norm_weight(getattr(layer.self_attn, "q_norm", None)),
+             norm_weight(getattr(layer.self_attn, "k_norm", None)), parts["o_proj"].parts(),
+             layer.post_attention_layernorm.weight, parts["gate_up"].parts(), parts["down_proj"].parts())
+            for layer, parts in zip(self.layers, self.projections)
+        ]
 
     def _drop_graphs(self) -> None:
         """Forgets the captured graphs (each frees its own memory pool)."""
@@ -354,7 +362,7 @@ class StaticDecoder:
         try:
             return self._run_once(rows, last_position, choose)
         except Exception as error:  # noqa: BLE001 - a compiler failure: say why once, decode uncompiled
-            if not self.compiled or isinstance(error, ValueError):
+            if not self.compiled or isinstance(error, (ValueError, torch.OutOfMemoryError)):
                 raise
             # The failed call wrote at most this step's keys (rewritten below): tokens and positions move last.
             self.compile_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
