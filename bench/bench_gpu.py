@@ -348,6 +348,9 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
         say(f"{key}.ours.grpo_s", ours_grpo, " s")
         if f"{key}.hf.grpo_s" in results:
             say(f"{key}.grpo_ratio", results[f"{key}.hf.grpo_s"] / ours_grpo, "x")
+    # The same training step again, now that this process has sampled (compiled decode pieces, captured graphs):
+    # an RL loop trains right after sampling, and a slower step here is what it would pay.
+    say(f"{key}.ours.sft_after_sampling_s", timed(lambda: our_step(engine, model_id, sft_data), repeats), " s")
     say(f"{key}.peak_gib", peak_gib(), " GiB")
     if profile and key == "1b":
         profile_ours(lambda: our_step(engine, model_id, sft_data), "SFT step 8 x 512")

@@ -31,8 +31,10 @@ fi
   if [[ " $PARTS " == *" tests "* ]]; then
   echo
   echo "## make test-gpu (tests/localtinker/engine/test_cuda.py)"
-  timeout 130 "$PY" -m pytest -q -rs --noconftest -p no:cacheprovider -m gpu tests/localtinker/engine/test_cuda.py 2>&1 \
-    | grep -vE "Warning|warnings.warn|^$|Loading weights|Writing model|^tests/|^  " | tail -30
+  # --tb=line: a failure's reason stays in the report (one line each) after the filter below
+  timeout 130 "$PY" -m pytest -q -rfs --tb=line --noconftest -p no:cacheprovider -p no:logging -m gpu \
+    tests/localtinker/engine/test_cuda.py 2>&1 \
+    | grep -vE "Warning|warnings.warn|^$|Loading weights|Writing model|^tests/|^  |^DEBUG" | tail -30
   fi
   if [[ " $PARTS " == *" bench "* ]]; then
   echo
