@@ -26,6 +26,8 @@ code runs eagerly on a CPU, where the tests check it against transformers' forwa
 
 from __future__ import annotations
 
+import logging
+import time
 import warnings
 from typing import Any
 
@@ -40,6 +42,7 @@ MIN_COLUMNS = 128  # a graph is captured per power-of-two bucket of rows and of 
 _POOL = "_localtinker_static_decoders"  # on the base model: decoders whose batch has drained, graphs kept
 _KEPT_DECODERS = 2
 _KEPT_CACHE_SHARE = 1 / 8  # of the device's memory: the pooled decoders' caches together, at most
+logger = logging.getLogger("localtinker.engine")
 # Rows of StaticDecoder.controls, per slot: the row's next uniform draw, its temperature (1 for greedy and free
 # slots), 1 for greedy, 1 for a live row (a free slot in the bucket's width must not move its position on).
 CONTROLS = ("uniform", "temperature", "greedy", "live")
@@ -382,7 +385,11 @@ class StaticDecoder:
         graph = self._graphs.get((width, columns, choose))
         if graph is None:
             try:
+                started = time.perf_counter()
                 graph = self._graphs[(width, columns, choose)] = self._capture(width, columns, choose)
+                # A new bucket's first step waits for the capture (and, compiled, the compiler): say how long.
+                logger.info("static decode: graph for %d rows × %d columns captured in %.1f s%s", width, columns,
+                            time.perf_counter() - started, " (layer pieces compiled)" if self.compiled else "")
             except RuntimeError as error:  # an op this torch cannot capture: decode eagerly, and say so once
                 self.graph_error = f"{type(error).__name__}: {error}"
                 warnings.warn(f"static decode: CUDA graph capture failed ({error}); decoding without graphs",
