@@ -6,7 +6,10 @@
   the pairs of the tournament (``posttrain.preference.tournament``) are judged by the preference model
   (both orders by default) and each sample's reward is ``win_fraction + format_coef·(well_formed − 1)``.
   Where the prompt comes with a verifier (an ``rl_problems`` row) the answer is also graded and logged as
-  ``correct`` — a metric, never a reward, so it shows whether the preference model is being gamed.
+  ``correct`` — a metric, never a reward, so it shows whether the preference model is being gamed. On the
+  pairs of one right and one wrong answer, the group also logs how often the judge favours the right one
+  (``judge_verifier_agreement``) and its mean probability for it (``judge_p_right``): the reward's signal,
+  live, where a verifier's would be 1 and 1.
   Each sample's pairwise scores (opponent, win) go to its rollout row (``pairwise_scores``, JSON).
 - :class:`PreferenceDataset` — prompts in seeded batches (``posttrain.rl.envs.problem_dataset``'s
   order: a pure function of (prompts, seed, index), so resume is exact). The judge is bound by the
@@ -80,6 +83,7 @@ class PreferenceEnv(Env):
         self.answer: dict[str, str] | None = None
         self.well_formed = False
         self.pairwise: list[dict[str, float]] = []  # filled by the group: [{"opponent": k, "win": w}, ...]
+        self.correct: float | None = None  # by the prompt's verifier, where it has one
 
     def initial_observation(self) -> tuple[Observation, StopCondition]:
         return self.renderer.build_generation_prompt(self.prompt.messages), self.renderer.get_stop_sequences()
@@ -89,7 +93,7 @@ class PreferenceEnv(Env):
         self.answer = {"role": "assistant", "content": message_text(message)}
         self.well_formed = is_well_formed(termination)
         metrics = {"format": float(self.well_formed)}
-        correct = self.prompt.grade(self.answer["content"])
+        correct = self.correct = self.prompt.grade(self.answer["content"])
         if correct is not None:
             metrics["correct"] = correct
         return StepResult(reward=0.0, episode_done=True, metrics=metrics)
@@ -134,6 +138,7 @@ class PairwisePreferenceGroupBuilder(EnvGroupBuilder):
         if both:
             group_metrics["position_bias"] = sum(v.position_bias for v in both) / len(both)
             group_metrics["orders_agree"] = sum(bool(v.orders_agree) for v in both) / len(both)
+        group_metrics |= verifier_agreement(pairs, verdicts, [env.correct for env in envs])  # type: ignore[attr-defined]
         results = []
         for env, win in zip(envs, wins):
             format_penalty = self.settings.format_coef * (float(env.well_formed) - 1.0)  # type: ignore[attr-defined]
@@ -145,6 +150,18 @@ class PairwisePreferenceGroupBuilder(EnvGroupBuilder):
 
     def logging_tags(self) -> list[str]:
         return [self.prompt.problem.task] if self.prompt.problem and self.prompt.problem.task else []
+
+
+def verifier_agreement(pairs: Sequence[tuple[int, int]], verdicts: Sequence, graded: Sequence[float | None]) -> Metrics:
+    """On the judged pairs whose two answers the verifier grades differently: the share the judge gives to the
+    right answer (a tie counts ½) and its mean probability of the right one winning; empty where no pair is."""
+    right_wins = [verdict.first_wins if graded[i] > graded[j] else verdict.second_wins
+                  for (i, j), verdict in zip(pairs, verdicts)
+                  if graded[i] is not None and graded[j] is not None and graded[i] != graded[j]]
+    if not right_wins:
+        return {}
+    agreement = [1.0 if w > 0.5 else 0.5 if w == 0.5 else 0.0 for w in right_wins]
+    return {"judge_verifier_agreement": sum(agreement) / len(agreement), "judge_p_right": sum(right_wins) / len(right_wins)}
 
 
 class PreferenceDataset(RLDataset):

@@ -4,12 +4,14 @@ import json
 
 import pytest
 
+from posttrain.datasets.loaders import LoadSpec, load
 from posttrain.preference.env import (
     PairwisePreferenceGroupBuilder,
     PreferenceDataset,
     PreferencePrompt,
     TournamentSettings,
     prompts_from_comparisons,
+    prompts_from_problems,
 )
 from posttrain.rl.rollouts import run_episodes
 from posttrain.renderers import get_renderer
@@ -37,9 +39,9 @@ class ScriptedCompleter:
         return Pending()
 
 
-def rewards_for(answers, settings=TournamentSettings(format_coef=0.0), problem_table=None):
+def rewards_for(answers, settings=TournamentSettings(format_coef=0.0), prompt=None):
     renderer = get_renderer("chatml", tiny_tokenizer())
-    prompt = PreferencePrompt("p0", [{"role": "user", "content": "Say something."}])
+    prompt = prompt or PreferencePrompt("p0", [{"role": "user", "content": "Say something."}])
     judge = ShorterIsBetter()
     builder = PairwisePreferenceGroupBuilder(renderer, prompt, len(answers), judge, settings)
     envs = builder.make_envs()
@@ -57,6 +59,20 @@ def test_each_sample_is_rewarded_with_its_win_fraction():
     assert rewards[0][1]["identical_pairs"] == 0.0  # ShorterIsBetter judges every pair, the two "bbb" included
     scores = json.loads(logs[0]["pairwise_scores"])
     assert scores == [{"opponent": 1, "win": 1.0}, {"opponent": 2, "win": 1.0}, {"opponent": 3, "win": 1.0}]
+    assert "judge_verifier_agreement" not in rewards[0][1]  # no verifier on this prompt
+
+
+def test_the_judges_agreement_with_the_verifier_is_logged_on_right_against_wrong_pairs():
+    """A prompt with a verifier: the judge (shorter wins) prefers the right answer over the two longer wrong ones
+    and the short wrong one over it; pairs of two wrong answers say nothing about the verifier."""
+    table = load(LoadSpec(kind="rl", source="reasoning_gym:basic_arithmetic", limit=2)).table
+    prompt = prompts_from_problems(table, split=None)[0]
+    right = prompt.problem.answer
+    rewards, _, _ = rewards_for([right, "7", right + "0", right + "00"], prompt=prompt)
+    metrics = rewards[0][1]
+    assert metrics["judge_verifier_agreement"] == pytest.approx(2 / 3)
+    assert metrics["judge_p_right"] == pytest.approx(2 / 3)
+    assert [m["judge_verifier_agreement"] for _, m in rewards] == [metrics["judge_verifier_agreement"]] * 4
 
 
 def test_both_ways_and_chunks_change_who_meets_whom_not_the_meaning():
