@@ -1,7 +1,7 @@
 """How much signal an RLHF run's judge gave, read back from its rollout table: on every judged pair of one right
 and one wrong sample of a group (by the prompt's verifier, logged as ``correct``, never rewarded), how often the
 right one won, its mean win probability, and the mean advantage of right and of wrong samples in mixed groups.
-A verifier as the reward would score 1, 1 and an advantage gap near 1. (New runs log the first two per step as
+A verifier as the reward would score 1 and 1. (New runs log the first two per step as
 ``env/judge_verifier_agreement`` and ``env/judge_p_right``, averaged per group.)
 
     .venv/bin/python scripts/rlhf_judge_signal.py $POSTTRAIN_STATE_DIR/parquet/rlhf_rollout_batches.versions/*.parquet
