@@ -32,7 +32,7 @@ def main() -> int:
     from assets.preference_model import heldout_comparisons
     from posttrain.eval.answers import extract_answer
     from posttrain.eval.stats import mean_estimate
-    from posttrain.preference.comparison_eval import verdict_correct
+    from posttrain.preference.preference_model import verdict_correct
     from posttrain.preference.comparison_format import ComparisonRenderer
     from posttrain.preference.preference_model import PreferenceModel
     from posttrain.renderers import get_renderer

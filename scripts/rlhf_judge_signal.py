@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from posttrain.preference.preference_model import verdict_correct  # noqa: E402
 
 
 def main(paths: list[str]) -> int:
@@ -32,7 +36,7 @@ def main(paths: list[str]) -> int:
                     continue
                 for score in json.loads(sample["pairwise_scores"]):
                     if graded.get(score["opponent"]) == 0.0:
-                        wins.append(1.0 if score["win"] > 0.5 else 0.5 if score["win"] == 0.5 else 0.0)
+                        wins.append(verdict_correct(score["win"]))
                         probabilities.append(score["win"])
         if not wins:
             print(f"{path}: no pair of a right and a wrong answer")

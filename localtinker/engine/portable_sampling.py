@@ -216,24 +216,19 @@ class _Batch:
             return []
         if queued.ready is not None:
             queued.ready.synchronize()
-        done: list[_Request] = []
-        tokenizer = self.target.tokenizer
-        for row, token, logprob in zip(queued.rows, queued.tokens.tolist(), queued.logprobs.tolist()):
-            if row.stop_reason is None and record_token(row, token, logprob, tokenizer):
-                row.request.left -= 1
-                if row.request.left == 0:
-                    done.append(row.request)
-        if any(row.stop_reason for row in self.rows):
-            self._keep([i for i, row in enumerate(self.rows) if row.stop_reason is None])
-        return done
+        return self._take(queued.rows, queued.tokens.tolist(), queued.logprobs.tolist())
 
     def _record(self, logits: torch.Tensor, rows: list[SampleRow], start: int) -> list[_Request]:
         tokens, logprobs = choose_tokens_on_device(logits, rows)
         (self.static.tokens if self.static is not None else self.last)[start : start + len(rows)] = tokens
+        return self._take(rows, tokens.tolist(), logprobs.tolist())
+
+    def _take(self, rows: list[SampleRow], tokens: list[int], logprobs: list[float]) -> list[_Request]:
+        """Appends each still-running row's token, drops the rows that finished; returns finished requests."""
         done: list[_Request] = []
         tokenizer = self.target.tokenizer
-        for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist()):
-            if record_token(row, token, logprob, tokenizer):
+        for row, token, logprob in zip(rows, tokens, logprobs):
+            if row.stop_reason is None and record_token(row, token, logprob, tokenizer):
                 row.request.left -= 1
                 if row.request.left == 0:
                     done.append(row.request)

@@ -61,40 +61,51 @@ def static_decode_supported(model: torch.nn.Module) -> bool:
             and not uses_sliding_windows(config) and getattr(text, "hidden_act", "silu") == "silu"
             and not any(p.dim() == 3 for p in model.parameters())):
         return False
-    base = lambda module: getattr(module, "base_layer", module)  # noqa: E731 - peft's wrapper or the layer
     groups = [[model.get_output_embeddings()]]
     for layer in model.get_decoder().layers:
         attention, mlp = layer.self_attn, layer.mlp
         groups += [[attention.q_proj, attention.k_proj, attention.v_proj], [attention.o_proj],
                    [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]]
-    return all(_plain([base(module) for module in group]) for group in groups)
+    return all(_plain([_base(module) for module in group]) for group in groups)
 
 
 def bucket(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
 
+def _base(module: torch.nn.Module) -> torch.nn.Module:
+    """The frozen layer under peft's LoRA wrapper (or the layer itself)."""
+    return getattr(module, "base_layer", module)
+
+
+def _factors(module: torch.nn.Module, adapter: str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``adapter``'s (A, (s·B)ᵀ) on ``module``, as lora.py's fused forward applies them; None where it does
+    not adapt the module."""
+    lora_a = getattr(module, "lora_A", None)
+    if adapter is None or lora_a is None or adapter not in lora_a:
+        return None
+    return lora_a[adapter].weight, (module.lora_B[adapter].weight * module.scaling[adapter]).t()
+
+
 class _Projection:
     """One linear of the step: its frozen base layer and, for an adapted layer, the adapter's factors
-    rounded to the compute dtype in buffers of fixed address (A and (s·B)ᵀ, as lora.py's fused forward)."""
+    rounded to the compute dtype in buffers of fixed address."""
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        self.base = getattr(module, "base_layer", module)
+        self.module, self.base = module, _base(module)
         self.a: torch.Tensor | None = None
         self.b_t: torch.Tensor | None = None
 
     def load(self, adapter: str | None, compute: torch.dtype) -> bool:
         """Copies ``adapter``'s factors in (zeros for a layer it does not adapt); True when the buffers
         were (re)allocated, which invalidates captured graphs."""
-        lora_a = getattr(self.module, "lora_A", None)
-        if adapter is None or lora_a is None or adapter not in lora_a:
+        factors = _factors(self.module, adapter)
+        if factors is None:
             if self.a is not None:
                 self.a.zero_()
                 self.b_t.zero_()
             return False
-        a = lora_a[adapter].weight
-        b_t = (self.module.lora_B[adapter].weight * self.module.scaling[adapter]).t()
+        a, b_t = factors
         fresh = self.a is None or self.a.shape != a.shape or self.a.dtype != compute
         if fresh:
             self.a = torch.empty(a.shape, dtype=compute, device=a.device)
@@ -118,30 +129,33 @@ class _SharedInput:
     products to three.
     """
 
-    def __init__(self, projections: list[_Projection]) -> None:
-        self.projections = projections
-        self.sizes = [projection.base.weight.shape[0] for projection in projections]
-        self.weight, self.bias = _concatenated([projection.base for projection in projections])
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self.modules = modules
+        bases = [_base(module) for module in modules]
+        self.sizes = [base.weight.shape[0] for base in bases]
+        self.weight, self.bias = _concatenated(bases)
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
 
     def load(self, adapter: str | None, compute: torch.dtype) -> bool:
-        fresh = any([projection.load(adapter, compute) for projection in self.projections])
-        adapted = [projection for projection in self.projections if projection.a is not None]
-        if not adapted:
-            self.a = self.b = None
-            return fresh
-        ranks = [0 if projection.a is None else projection.a.shape[0] for projection in self.projections]
-        if self.a is None or self.a.shape[0] != sum(ranks) or self.a.dtype != compute:
-            device = adapted[0].a.device
-            self.a = torch.empty((sum(ranks), adapted[0].a.shape[1]), dtype=compute, device=device)
+        """As :meth:`_Projection.load`, for the stacked A and block-diagonal B."""
+        factors = [_factors(module, adapter) for module in self.modules]
+        if all(f is None for f in factors):
+            if self.a is not None:
+                self.a.zero_()
+                self.b.zero_()
+            return False
+        ranks = [0 if f is None else f[0].shape[0] for f in factors]
+        fresh = self.a is None or self.a.shape[0] != sum(ranks) or self.a.dtype != compute
+        if fresh:
+            inputs, device = next(f[0].shape[1] for f in factors if f), next(f[0].device for f in factors if f)
+            self.a = torch.empty((sum(ranks), inputs), dtype=compute, device=device)
             self.b = torch.zeros((sum(ranks), sum(self.sizes)), dtype=compute, device=device)
-            fresh = True
-        torch.cat([projection.a for projection in adapted], out=self.a)
         row = column = 0
-        for projection, rank, size in zip(self.projections, ranks, self.sizes):
+        for f, rank, size in zip(factors, ranks, self.sizes):
             if rank:
-                self.b[row : row + rank, column : column + size] = projection.b_t
+                self.a[row : row + rank] = f[0]
+                self.b[row : row + rank, column : column + size] = f[1]
             row, column = row + rank, column + size
         return fresh
 
@@ -213,9 +227,9 @@ class StaticDecoder:
         self.qk_eps = float(attention.q_norm.variance_epsilon) if hasattr(attention, "q_norm") else self.eps
         self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
         self.projections = [
-            {"qkv": _SharedInput([_Projection(getattr(layer.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj")]),
+            {"qkv": _SharedInput([getattr(layer.self_attn, name) for name in ("q_proj", "k_proj", "v_proj")]),
              "o_proj": _Projection(layer.self_attn.o_proj),
-             "gate_up": _SharedInput([_Projection(getattr(layer.mlp, name)) for name in ("gate_proj", "up_proj")]),
+             "gate_up": _SharedInput([getattr(layer.mlp, name) for name in ("gate_proj", "up_proj")]),
              "down_proj": _Projection(layer.mlp.down_proj)}
             for layer in self.layers
         ]

@@ -25,12 +25,7 @@ from posttrain.eval.items import ItemScores, mean_metrics, unique_keys
 from posttrain.eval.stats import mean_estimate, paired_difference
 from posttrain.preference.comparison_format import Comparison, ComparisonRenderer, Message
 from posttrain.preference.env import PreferencePrompt
-from posttrain.preference.preference_model import PairVerdict, PreferenceModel
-
-
-def verdict_correct(chosen_wins: float) -> float:
-    """1 when the chosen completion is preferred, 0 when the rejected one is, ½ on an exact tie."""
-    return 1.0 if chosen_wins > 0.5 else 0.0 if chosen_wins < 0.5 else 0.5
+from posttrain.preference.preference_model import PairVerdict, PreferenceModel, verdict_correct
 
 
 def item_keys(conversations: Sequence[list[Message]]) -> list[str]:

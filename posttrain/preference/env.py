@@ -31,7 +31,7 @@ from posttrain.datasets.problems import RLProblem, rl_problems_from_table
 from posttrain.datasets.schemas import PREFERENCE_COMPARISONS, RL_PROBLEMS, TRAIN_SPLIT, validate_table
 from posttrain.eval.answers import extract_answer
 from posttrain.preference.comparison_format import Comparison
-from posttrain.preference.preference_model import PreferenceModel
+from posttrain.preference.preference_model import PreferenceModel, verdict_correct
 from posttrain.preference.tournament import TOURNAMENT_PATTERNS, tournament_pairs, win_fractions
 from posttrain.rl.envs.problem_dataset import batch_indices
 from posttrain.rl.envs.problem_env import CORRECT_SCORE, DEFAULT_FORMAT_COEF, grader_for
@@ -160,7 +160,7 @@ def verifier_agreement(pairs: Sequence[tuple[int, int]], verdicts: Sequence, gra
                   if graded[i] is not None and graded[j] is not None and graded[i] != graded[j]]
     if not right_wins:
         return {}
-    agreement = [1.0 if w > 0.5 else 0.5 if w == 0.5 else 0.0 for w in right_wins]
+    agreement = [verdict_correct(w) for w in right_wins]
     return {"judge_verifier_agreement": sum(agreement) / len(agreement), "judge_p_right": sum(right_wins) / len(right_wins)}
 
 

@@ -86,6 +86,11 @@ class PairVerdict:
         return 1.0 - self.second_wins
 
 
+def verdict_correct(chosen_wins: float) -> float:
+    """1 when the chosen completion is preferred, 0 when the rejected one is, ½ on an exact tie."""
+    return 1.0 if chosen_wins > 0.5 else 0.0 if chosen_wins < 0.5 else 0.5
+
+
 def combine_orders(forward: LabelProbabilities, swapped: LabelProbabilities | None) -> PairVerdict:
     """The verdict of a comparison from its forward and (optionally) its swapped judgement."""
     if swapped is None:
