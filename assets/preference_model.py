@@ -10,8 +10,12 @@ the task's verifier) or ``preference_comparisons`` (hub data by preset: ``hh_rlh
 base model). The manifest records the comparisons table and version (``related.comparisons``), which the
 RLHF checkpoints it judges name in turn.
 
+With ``reference: chosen`` the judge is trained with the chosen (verified) completion as a reference answer
+before the pair, and writes its own answer there when it judges (``posttrain.preference.comparison_format``).
+
 ``preference_model_eval_report``: held-out comparison accuracy on the exact comparisons version trained
-on (both orders averaged), accuracy in each order alone, agreement across orders and position bias.
+on (both orders averaged), accuracy in each order alone, agreement across orders and position bias; a
+judge with references is scored with its own answers, as RLHF uses it.
 """
 
 import dagster as dg
@@ -27,6 +31,7 @@ from resources.models import load_tokenizer
 
 RECIPE = "preference_model"
 COMPARISON_ASSETS = ("onpolicy_comparisons", "preference_comparisons")  # the launchpad's `comparisons` choice
+VERIFIED_COMPARISONS = "onpolicy_comparisons"  # its chosen side is a verifier-graded correct answer
 MAX_INLOOP_HELDOUT = 64  # held-out comparisons judged at each in-loop evaluation
 
 
@@ -42,8 +47,15 @@ def build_preference_model(inputs: RecipeInputs) -> RecipeRun:
     version = inputs.versions[asset]
     table = inputs.tables[asset]
     renderer = ComparisonRenderer(get_renderer(config.renderer, load_tokenizer(inputs.base_model)))
+    if config.reference == "chosen" and asset != VERIFIED_COMPARISONS:
+        raise dg.Failure(
+            f"{RECIPE}_checkpoint: reference=chosen trains the judge to trust the chosen completion as a correct answer, but "
+            f"{asset} holds preferences, not verified answers: pick comparisons={VERIFIED_COMPARISONS} or reference=none"
+        )
     try:
-        train_split = labeled_comparisons_from_table(table, TRAIN_SPLIT, orders=config.orders, seed=config.training.seed)
+        train_split = labeled_comparisons_from_table(
+            table, TRAIN_SPLIT, orders=config.orders, seed=config.training.seed, reference=config.reference
+        )
         recipe = PreferenceModelRecipe(config, train_split, renderer, data_version=version.data_version)
     except ValueError as error:
         raise dg.Failure(
@@ -53,9 +65,9 @@ def build_preference_model(inputs: RecipeInputs) -> RecipeRun:
     heldout = heldout_comparisons(table, MAX_INLOOP_HELDOUT)
     return RecipeRun(
         recipe,
-        evaluators=[PreferenceAccuracyEvaluator(heldout, renderer)] if heldout else [],
+        evaluators=[PreferenceAccuracyEvaluator(heldout, renderer, answers_first=config.reference == "chosen")] if heldout else [],
         related={"comparisons": {"asset": asset, "data_version": version.data_version, "orders": config.orders,
-                                 "num_train": len(train_split)}},
+                                 "reference": config.reference, "num_train": len(train_split)}},
         renderer=config.renderer,
     )
 
@@ -89,7 +101,14 @@ def preference_model_evaluators(inputs: EvalInputs) -> list:
             f"{HELDOUT_SPLIT!r} rows: materialize it with heldout_fraction > 0"
         )
     renderer = ComparisonRenderer(get_renderer(manifest.renderer or "chatml", inputs.tokenizer))
-    return [PreferenceAccuracyEvaluator(heldout, renderer, prefix="")]
+    answers_first = judge_answers_first(recorded)
+    return [PreferenceAccuracyEvaluator(heldout, renderer, prefix="", answers_first=answers_first, answer_max_tokens=inputs.config.max_tokens)]
+
+
+def judge_answers_first(comparisons: dict) -> bool:
+    """Whether a preference model, by its manifest's ``related.comparisons``, was trained with reference answers
+    and so writes its own answer before it judges."""
+    return comparisons.get("reference") == "chosen"
 
 
 PREFERENCE_MODEL_EVAL = EvalSpec(

@@ -25,6 +25,7 @@ from assets.base_model import materialized_base_model
 from assets.chaining import InitFromError, resolve_sampler
 from assets.checkpoint_manifest import CheckpointManifest, read_manifest
 from assets.evals import EvalInputs, EvalSpec, build_eval_asset
+from assets.preference_model import judge_answers_first
 from assets.rollouts import build_rollouts_asset
 from assets.training import RecipeInputs, RecipeRun, TrainingSpec, build_checkpoints_asset, build_training_asset
 from posttrain.datasets.schemas import HELDOUT_SPLIT, TRAIN_SPLIT
@@ -86,6 +87,7 @@ def judge_lineage(judge: CheckpointManifest) -> dict:
         "sampler_path": judge.sampler_path,
         "state_path": judge.state_path,
         "renderer": judge.renderer,
+        "answers_first": judge_answers_first(comparisons),
         "comparisons": {"asset": asset, "data_version": comparisons.get("data_version"), "dagster_run_id": recorded.get("dagster_run_id")},
     }
 
@@ -114,7 +116,10 @@ def build_rlhf(inputs: RecipeInputs) -> RecipeRun:
             settings=TournamentSettings(config.tournament, config.tournament_chunk_size, config.format_coef),
         )
         judge_renderer = ComparisonRenderer(get_renderer(judge.renderer or config.renderer, tokenizer))
-        recipe = RLHFRecipe(config, dataset, judge_renderer, judge.sampler_path or "", tokenizer, inputs.parent_sampler_path)
+        recipe = RLHFRecipe(
+            config, dataset, judge_renderer, judge.sampler_path or "", tokenizer, inputs.parent_sampler_path,
+            judge_answers_first=judge_answers_first(judge.related.get("comparisons", {})),
+        )
     except (ValueError, KeyError) as error:
         raise dg.Failure(f"{RECIPE}_checkpoint: {asset} {version.data_version}: {error}") from error
     return RecipeRun(
@@ -176,7 +181,8 @@ def rlhf_evaluators(inputs: EvalInputs) -> list:
         return EvalTarget.from_base_model(service(), manifest.base_model, inputs.tokenizer)
 
     def preference_model() -> PreferenceModel:
-        return PreferenceModel(service().create_sampling_client(model_path=judge["sampler_path"]).result(), judge_renderer)
+        client = service().create_sampling_client(model_path=judge["sampler_path"]).result()
+        return PreferenceModel(client, judge_renderer, answers_first=bool(judge.get("answers_first")), answer_max_tokens=config.max_tokens)
 
     return [ComparisonEvaluator(renderer, prompts, opponent, preference_model, max_tokens=config.max_tokens, seed=config.seed)]
 

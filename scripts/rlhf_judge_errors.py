@@ -5,7 +5,9 @@
 Judges the held-out rows of the comparisons table the preference model (default: the newest) was trained on,
 in both orders, and prints the comparison accuracy ± s.e. (n), the accuracy with the chosen first / second,
 the position bias, the share of comparisons whose rejected side is malformed (no ``\\boxed`` answer) or empty,
-accuracy on the well-formed ones, and the misjudged comparisons (prompt, chosen, rejected, P(chosen)).
+accuracy on the well-formed ones, and the misjudged comparisons (prompt, chosen, rejected, P(chosen)). A judge
+trained with reference answers writes its own first (as in RLHF); the script then also prints how often its
+answer is the chosen text, and its answer beside each misjudged comparison.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ def main() -> int:
     import pyarrow.parquet as pq
 
     from assets.checkpoint_manifest import all_manifests, manifest_path, read_manifest
-    from assets.preference_model import heldout_comparisons
+    from assets.preference_model import heldout_comparisons, judge_answers_first
     from posttrain.eval.answers import extract_answer
     from posttrain.eval.stats import mean_estimate
+    from posttrain.preference.comparison_eval import own_answer_is_chosen
     from posttrain.preference.preference_model import verdict_correct
     from posttrain.preference.comparison_format import ComparisonRenderer
     from posttrain.preference.preference_model import PreferenceModel
@@ -47,8 +50,10 @@ def main() -> int:
     comparisons = heldout_comparisons(table)
     renderer = ComparisonRenderer(get_renderer(manifest.renderer or "chatml", load_tokenizer(manifest.base_model)))
     client = TinkerResource().get_client()
-    judge = PreferenceModel(client.create_sampling_client(model_path=manifest.sampler_path).result(), renderer)
+    answers_first = judge_answers_first(manifest.related["comparisons"])
+    judge = PreferenceModel(client.create_sampling_client(model_path=manifest.sampler_path).result(), renderer, answers_first=answers_first)
     verdicts = judge.judge(comparisons)
+    own = [judge.own_answer(c.prompt) for c in comparisons]
     correct = [verdict_correct(v.first_wins) for v in verdicts]
     chosen_first = [verdict_correct((1.0 - v.forward.score) / 2) for v in verdicts]
     chosen_second = [verdict_correct((1.0 + v.swapped.score) / 2) for v in verdicts if v.swapped]
@@ -58,14 +63,16 @@ def main() -> int:
                          ("accuracy_chosen_second", chosen_second), ("position_bias", [v.position_bias for v in verdicts]),
                          ("rejected_has_answer", [float(f) for f in formed]),
                          ("accuracy | rejected has answer", [c for c, f in zip(correct, formed) if f]),
-                         ("accuracy | rejected has none", [c for c, f in zip(correct, formed) if not f])):
+                         ("accuracy | rejected has none", [c for c, f in zip(correct, formed) if not f]),
+                         ("own_answer_is_chosen", [m for c in comparisons if (m := own_answer_is_chosen(judge, c)) is not None])):
         if values:
             estimate = mean_estimate(values)
             print(f"  {name:<32} {estimate.value:.3f} ± {estimate.stderr:.3f} (n = {estimate.n})")
-    wrong = [(c, v) for c, v, ok in zip(comparisons, verdicts, correct) if ok < 1.0]
-    for comparison, verdict in wrong[: args.show]:
+    wrong = [(c, v, o) for c, v, o, ok in zip(comparisons, verdicts, own, correct) if ok < 1.0]
+    for comparison, verdict, answer in wrong[: args.show]:
         print(f"- {comparison.prompt[-1]['content'][:60]!r}: chosen {comparison.completion_a[0]['content']!r} "
-              f"rejected {comparison.completion_b[0]['content']!r} P(chosen) {verdict.first_wins:.2f} bias {verdict.position_bias:+.2f}")
+              f"rejected {comparison.completion_b[0]['content']!r} P(chosen) {verdict.first_wins:.2f} bias {verdict.position_bias:+.2f}"
+              + (f" own answer {answer!r}" if answer is not None else ""))
     return 0
 
 

@@ -5,7 +5,9 @@ an eval report computes n, standard errors and paired differences with the paren
 
 - :class:`PreferenceAccuracyEvaluator` scores *a preference model*: on held-out comparisons, does it
   prefer the chosen completion (both orders averaged)? Also its accuracy in each order alone, the share of
-  comparisons where both orders pick the same completion, and its mean position bias.
+  comparisons where both orders pick the same completion, and its mean position bias. A judge that answers
+  first is scored as it judges in RLHF, with its own answers as references (never the chosen one), and
+  reports how often its answer is the chosen completion's text (``own_answer_is_chosen``).
 - :class:`ComparisonEvaluator` scores *a policy*: the policy and a fixed reference (e.g. the checkpoint's
   parent) answer each held-out prompt greedily; the preference model judges each pair of answers in both
   orders; the policy's win on a prompt is P(policy better) + ½ P(tie). The win rate is the mean over prompts
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from posttrain.completers import ChatRenderer, MessageCompleter, SamplingSettings, TokenCompleter
+from posttrain.completers import ChatRenderer, MessageCompleter, SamplingSettings, TokenCompleter, message_text
 from posttrain.eval.base import EvalTarget
 from posttrain.eval.items import ItemScores, mean_metrics, unique_keys
 from posttrain.eval.stats import mean_estimate, paired_difference
@@ -74,20 +76,39 @@ class PreferenceAccuracyEvaluator:
     ``comparisons``: held-out comparisons with the *chosen* completion as A.
     """
 
-    def __init__(self, comparisons: Sequence[Comparison], renderer: ComparisonRenderer, prefix: str = "eval/"):
+    def __init__(
+        self, comparisons: Sequence[Comparison], renderer: ComparisonRenderer, prefix: str = "eval/", *,
+        answers_first: bool = False, answer_max_tokens: int = 64,
+    ):
         if not comparisons:
             raise ValueError("PreferenceAccuracyEvaluator got no comparisons: pass the held-out comparisons")
         self.comparisons = list(comparisons)
         self.keys = item_keys([c.prompt for c in self.comparisons])
         self.renderer = renderer
         self.prefix = prefix
+        self.answers_first = answers_first
+        self.answer_max_tokens = answer_max_tokens
 
     def score_items(self, target: EvalTarget) -> ItemScores:
-        verdicts = PreferenceModel(target.sampling_client(), self.renderer, orders="both").judge(self.comparisons)
-        return accuracy_items(verdicts, self.keys, self.prefix)
+        judge = PreferenceModel(
+            target.sampling_client(), self.renderer, orders="both", answers_first=self.answers_first, answer_max_tokens=self.answer_max_tokens
+        )
+        items = accuracy_items(judge.judge(self.comparisons), self.keys, self.prefix)
+        if self.answers_first:
+            items[f"{self.prefix}own_answer_is_chosen"] = {
+                key: matched for key, c in zip(self.keys, self.comparisons) if (matched := own_answer_is_chosen(judge, c)) is not None
+            }
+        return items
 
     def __call__(self, target: EvalTarget) -> dict[str, float]:
         return mean_metrics(self.score_items(target))
+
+
+def own_answer_is_chosen(judge: PreferenceModel, comparison: Comparison) -> float | None:
+    """1.0 when the judge's own answer to the prompt is the text of the chosen completion (``completion_a``),
+    0.0 when it is not, None when the judge wrote none for it."""
+    own = judge.own_answer(comparison.prompt)
+    return None if own is None else float(own.strip() == message_text(comparison.completion_a[-1]).strip())
 
 
 def greedy_answers(target: EvalTarget, renderer: ChatRenderer, prompts: Sequence[PreferencePrompt], max_tokens: int, seed: int) -> list[str]:

@@ -7,6 +7,12 @@ the prompt conversation, a system message ``==== Completion A ====``, completion
 after it, as the cookbook does), so scoring needs only the probability of each label's first token at
 the position after the generation prompt — :class:`ComparisonRenderer` gives both.
 
+A comparison may carry a *reference answer* to the prompt, rendered as ``==== Reference ====`` and the
+answer between the prompt and completion A: a judge that reads one compares the completions with an answer
+it trusts instead of solving the prompt inside one forward pass (MT-Bench's reference-guided grading). In
+training the reference is the chosen completion of a verified comparison (``reference="chosen"``); when
+judging, the preference model writes its own answer there first (``posttrain.preference.preference_model``).
+
 Comparisons come from a ``preference_comparisons`` table (``chosen`` / ``rejected``): each row gives a
 labelled comparison in both orders by default (chosen as A labelled ``A``, and swapped, labelled ``B``),
 so the trained model sees each label in each position equally often.
@@ -32,9 +38,12 @@ LABELS: tuple[Label, ...] = get_args(Label)
 COMPLETION_A = "==== Completion A ===="
 COMPLETION_B = "==== Completion B ===="
 PREFERENCE = "==== Preference ===="
+REFERENCE = "==== Reference ===="
 SWAPPED_LABEL: dict[str, Label] = {"A": "B", "B": "A", "Tie": "Tie"}
 Orders = Literal["both", "one"]
 ORDERS: tuple[str, ...] = get_args(Orders)
+Reference = Literal["none", "chosen"]
+REFERENCES: tuple[str, ...] = get_args(Reference)
 
 Message = dict[str, Any]
 
@@ -44,14 +53,20 @@ class Comparison:
     prompt: list[Message]
     completion_a: list[Message]
     completion_b: list[Message]
+    reference: list[Message] | None = None  # a reference answer the judge compares both completions with
 
     def swap(self) -> Comparison:
-        return Comparison(self.prompt, self.completion_b, self.completion_a)
+        return Comparison(self.prompt, self.completion_b, self.completion_a, self.reference)
+
+    def with_reference(self, reference: list[Message]) -> Comparison:
+        return Comparison(self.prompt, self.completion_a, self.completion_b, reference)
 
     def conversation(self) -> list[Message]:
         """The comparison as one conversation ending where the preference model answers."""
+        reference = [{"role": "system", "content": REFERENCE}, *self.reference] if self.reference is not None else []
         return [
             *self.prompt,
+            *reference,
             {"role": "system", "content": COMPLETION_A},
             *self.completion_a,
             {"role": "system", "content": COMPLETION_B},
@@ -126,21 +141,27 @@ def _flip(seed: int, row_id: str) -> bool:
 
 
 def labeled_comparisons_from_table(
-    table: pa.Table, split: str | None = TRAIN_SPLIT, *, orders: Orders = "both", seed: int = 0
+    table: pa.Table, split: str | None = TRAIN_SPLIT, *, orders: Orders = "both", seed: int = 0, reference: Reference = "none"
 ) -> list[LabeledComparison]:
     """Labelled comparisons of a ``preference_comparisons`` table (chosen is preferred).
 
     ``orders="both"``: two per row, chosen first (label A) and chosen second (label B);
     ``"one"``: one per row, the order picked by a hash of (seed, row id), so about half are each way.
+    ``reference="chosen"``: each comparison carries the chosen completion as its reference answer — only
+    meaningful where a verifier picked the chosen side (on-policy comparisons), so it is a correct answer.
     """
     if orders not in ORDERS:
         raise ValueError(f"orders={orders!r} is not one of {ORDERS}")
+    if reference not in REFERENCES:
+        raise ValueError(f"reference={reference!r} is not one of {REFERENCES}")
     validate_table(table, PREFERENCE_COMPARISONS)
     if split is not None:
         table = table.filter(pc.equal(table.column("split"), split))
     labeled = []
     for row in table.select(["row_id", "prompt", "chosen", "rejected"]).to_pylist():
-        forward = LabeledComparison(Comparison(list(row["prompt"]), list(row["chosen"]), list(row["rejected"])), "A", row["row_id"])
+        chosen = list(row["chosen"])
+        comparison = Comparison(list(row["prompt"]), chosen, list(row["rejected"]), chosen if reference == "chosen" else None)
+        forward = LabeledComparison(comparison, "A", row["row_id"])
         if orders == "both":
             labeled += [forward, forward.swap()]
         else:

@@ -9,7 +9,8 @@
   ``correct`` — a metric, never a reward, so it shows whether the preference model is being gamed. On the
   pairs of one right and one wrong answer, the group also logs how often the judge favours the right one
   (``judge_verifier_agreement``) and its mean probability for it (``judge_p_right``): the reward's signal,
-  live, where a verifier's would be 1 and 1.
+  live, where a verifier's would be 1 and 1. A judge that answers first also has its own answer graded
+  (``judge_answer_correct``): the ceiling of what its reference can teach.
   Each sample's pairwise scores (opponent, win) go to its rollout row (``pairwise_scores``, JSON).
 - :class:`PreferenceDataset` — prompts in seeded batches (``posttrain.rl.envs.problem_dataset``'s
   order: a pure function of (prompts, seed, index), so resume is exact). The judge is bound by the
@@ -139,6 +140,9 @@ class PairwisePreferenceGroupBuilder(EnvGroupBuilder):
             group_metrics["position_bias"] = sum(v.position_bias for v in both) / len(both)
             group_metrics["orders_agree"] = sum(bool(v.orders_agree) for v in both) / len(both)
         group_metrics |= verifier_agreement(pairs, verdicts, [env.correct for env in envs])  # type: ignore[attr-defined]
+        own_answer = self.judge.own_answer(self.prompt.messages) if getattr(self.judge, "answers_first", False) else None
+        if own_answer is not None and (graded := self.prompt.grade(own_answer)) is not None:
+            group_metrics["judge_answer_correct"] = graded
         results = []
         for env, win in zip(envs, wins):
             format_penalty = self.settings.format_coef * (float(env.well_formed) - 1.0)  # type: ignore[attr-defined]

@@ -21,6 +21,12 @@ the two verdicts are averaged, which cancels a preference for a position. Per or
 Identical completions are a tie without asking the model (``identical=True``, score 0): in both orders the
 comparison is the same text, so the averaged score is exactly 0 anyway. A policy's samples and a policy and
 its parent often answer alike, so this saves most of the judging in tournaments and win-rate evals.
+
+A judge trained with reference answers (``answers_first=True``, its checkpoint's ``reference: chosen``)
+first answers each distinct prompt itself, greedily, with the same weights, and judges every comparison of
+that prompt with its own answer in the reference slot (``comparison_format``). The answers are cached per
+prompt: the judge is fixed for its lifetime and greedy decoding is deterministic, so a prompt seen again (the
+next epoch, the eval's second target) costs no second request.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 import tinker
 
-from posttrain.preference.comparison_format import LABELS, ORDERS, Comparison, ComparisonRenderer, Orders, ScoringInput
+from posttrain.completers import MessageCompleter, PendingMessages, SamplingSettings, TokenCompleter
+from posttrain.preference.comparison_format import LABELS, ORDERS, Comparison, ComparisonRenderer, Message, Orders, ScoringInput
 
 
 @dataclass(frozen=True)
@@ -132,8 +139,16 @@ def _probabilities(futures: dict[str, object]) -> LabelProbabilities:
     return LabelProbabilities.from_logprobs(logprobs)
 
 
+def prompt_key(prompt: Sequence[Message]) -> str:
+    """A prompt conversation's identity for caching the judge's own answer to it."""
+    return repr([(message["role"], message["content"]) for message in prompt])
+
+
 class PreferenceModel:
-    """A sampling client on preference-model weights + the comparison renderer it was trained with."""
+    """A sampling client on preference-model weights + the comparison renderer it was trained with.
+
+    ``answers_first``: the judge writes its own greedy answer (at most ``answer_max_tokens`` tokens) to each
+    prompt and reads it as the comparison's reference (see the module docstring)."""
 
     def __init__(
         self,
@@ -142,6 +157,8 @@ class PreferenceModel:
         *,
         orders: Orders = "both",
         labels: Sequence[str] = LABELS,
+        answers_first: bool = False,
+        answer_max_tokens: int = 64,
     ):
         if orders not in ORDERS:
             raise ValueError(f"orders={orders!r} is not one of {ORDERS}")
@@ -152,18 +169,47 @@ class PreferenceModel:
         self.renderer = renderer
         self.orders = orders
         self.labels = tuple(labels)
+        self.answers_first = answers_first
+        self._completer = MessageCompleter(
+            TokenCompleter(sampling_client, SamplingSettings(max_tokens=answer_max_tokens, top_k=1)), renderer.renderer
+        )
+        self._answers: dict[str, str] = {}
+
+    def own_answer(self, prompt: Sequence[Message]) -> str | None:
+        """The judge's own answer to ``prompt``, once it has judged a comparison of it (None before, or without
+        ``answers_first``)."""
+        return self._answers.get(prompt_key(prompt))
+
+    def _with_own_answers(self, comparisons: Sequence[Comparison]) -> list[Comparison]:
+        """Each comparison that needs judging, with the judge's own answer as its reference: one greedy request
+        per prompt not answered yet, all in flight before any is awaited."""
+        if not self.answers_first:
+            return list(comparisons)
+        needs_answer = [c.reference is None and c.completion_a != c.completion_b for c in comparisons]
+        pending: dict[str, PendingMessages] = {}
+        for comparison, needed in zip(comparisons, needs_answer):
+            key = prompt_key(comparison.prompt)
+            if needed and key not in self._answers and key not in pending:
+                pending[key] = self._completer.submit(comparison.prompt, seed=0)
+        for key, request in pending.items():
+            self._answers[key] = request.result()[0].text
+        return [
+            c.with_reference([{"role": "assistant", "content": self._answers[prompt_key(c.prompt)]}]) if needed else c
+            for c, needed in zip(comparisons, needs_answer)
+        ]
 
     def _submit_order(self, comparison: Comparison) -> dict[str, object]:
         scoring: ScoringInput = self.renderer.scoring_input(comparison, self.labels)
         return {label: self.sampling_client.compute_logprobs(scoring.sequence(label), prompt_logprobs_last_n=1) for label in self.labels}
 
-    def submit(self, comparison: Comparison) -> PendingVerdict:
+    def _submit(self, comparison: Comparison) -> PendingVerdict:
         if comparison.completion_a == comparison.completion_b:
             return PendingVerdict(None, None)
         swapped = self._submit_order(comparison.swap()) if self.orders == "both" else None
         return PendingVerdict(self._submit_order(comparison), swapped)
 
     def judge(self, comparisons: Sequence[Comparison]) -> list[PairVerdict]:
-        """Every comparison's verdict; all requests are submitted before any is awaited."""
-        pending = [self.submit(comparison) for comparison in comparisons]
+        """Every comparison's verdict; all requests are submitted before any is awaited (the judge's own answers,
+        where it writes them, first)."""
+        pending = [self._submit(comparison) for comparison in self._with_own_answers(comparisons)]
         return [item.result() for item in pending]

@@ -5,7 +5,8 @@
   It *is* the SFT recipe over those datums (same batching, order and exact resume), under its own name.
 - :class:`RLHFRecipe` — the RL recipe (every loss, KL option and driver of ``posttrain.rl``) over a
   :class:`~posttrain.preference.env.PreferenceDataset`: rewards are win fractions in tournaments judged
-  by the preference model whose sampler weights ``judge_path`` names, opened in ``start``.
+  by the preference model whose sampler weights ``judge_path`` names, opened in ``start`` (answering each
+  prompt itself first when it was trained with reference answers, ``judge_answers_first``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Literal
 
 import tinker
 
-from posttrain.preference.comparison_format import ORDERS, ComparisonRenderer, LabeledComparison, Orders
+from posttrain.preference.comparison_format import ORDERS, REFERENCES, ComparisonRenderer, LabeledComparison, Orders, Reference
 from posttrain.preference.env import PreferenceDataset
 from posttrain.preference.preference_model import PreferenceModel
 from posttrain.preference.tournament import TOURNAMENT_PATTERNS, TournamentPattern
@@ -34,11 +35,19 @@ PromptTable = Literal["rl_problems", "onpolicy_comparisons", "preference_compari
 class PreferenceModelConfig(SupervisedConfig):
     renderer: str = documented("chatml", "Chat renderer the comparisons are rendered with (the policy's, so the judge reads what it writes).")
     orders: Orders = documented("both", "both: every comparison in both orders (label A and B equally often); one: one order per row, by hash.")
+    reference: Reference = documented(
+        "none",
+        "none: the cookbook's format. chosen: a reference answer precedes the two completions — the chosen one in training, "
+        "the judge's own greedy answer when it judges (a judge that solves the prompt before it compares); for comparisons "
+        "whose chosen side a verifier picked (onpolicy_comparisons).",
+    )
 
     def validate(self) -> None:
         super().validate()
         if self.orders not in ORDERS:
             raise ValueError(f"invalid PreferenceModelConfig: orders {self.orders!r} is not one of {ORDERS}")
+        if self.reference not in REFERENCES:
+            raise ValueError(f"invalid PreferenceModelConfig: reference {self.reference!r} is not one of {REFERENCES}")
 
 
 class PreferenceModelRecipe(SupervisedRecipe):
@@ -49,10 +58,11 @@ class PreferenceModelRecipe(SupervisedRecipe):
             raise ValueError("no comparisons to train the preference model on: the table's train split is empty")
         super().__init__(config, DatumList([renderer.datum(labeled) for labeled in comparisons]), data_version)
         self.orders = config.orders
+        self.reference = config.reference
         self.digest = hashlib.sha256("\n".join(f"{c.row_id}:{c.label}" for c in comparisons).encode()).hexdigest()[:16]
 
     def identity(self) -> dict[str, Any]:
-        return {**super().identity(), "orders": self.orders, "comparisons_digest": self.digest}
+        return {**super().identity(), "orders": self.orders, "reference": self.reference, "comparisons_digest": self.digest}
 
 
 @dataclass
@@ -95,6 +105,7 @@ class RLHFRecipe(RLRecipe):
         judge_path: str,
         tokenizer: Any | None = None,
         parent_sampler_path: str | None = None,
+        judge_answers_first: bool = False,
     ):
         if not judge_path.startswith("tinker://"):
             raise ValueError(f"judge_path must be the preference model's tinker://.../sampler_weights/... path, got {judge_path!r}")
@@ -102,6 +113,7 @@ class RLHFRecipe(RLRecipe):
         self.preference_dataset = dataset
         self.comparison_renderer = comparison_renderer
         self.judge_path = judge_path
+        self.judge_answers_first = judge_answers_first
 
     def identity(self) -> dict[str, Any]:
         config: RLHFConfig = self.config  # type: ignore[assignment]
@@ -110,5 +122,8 @@ class RLHFRecipe(RLRecipe):
     def start(self, training_client: tinker.TrainingClient, service_client: tinker.ServiceClient, start_step: int) -> None:
         config: RLHFConfig = self.config  # type: ignore[assignment]
         judge_client = service_client.create_sampling_client(model_path=self.judge_path).result()
-        self.preference_dataset.bind(PreferenceModel(judge_client, self.comparison_renderer, orders=config.judge_orders))
+        self.preference_dataset.bind(PreferenceModel(
+            judge_client, self.comparison_renderer, orders=config.judge_orders,
+            answers_first=self.judge_answers_first, answer_max_tokens=config.max_tokens,
+        ))
         super().start(training_client, service_client, start_step)

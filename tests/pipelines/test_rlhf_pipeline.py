@@ -258,6 +258,36 @@ def test_comparisons_without_train_rows_are_refused_before_anything_is_stored_or
     assert rlhf_run.instance.get_dynamic_partitions("preference_model_checkpoints") == partitions
 
 
+def test_a_judge_trained_with_reference_answers_writes_its_own_before_it_judges(rlhf_run):
+    """reference=chosen: the judge trains with the verified chosen answer before each pair; its eval report and RLHF
+    judge with its own answer there (recorded in the lineage, its answers graded live); human preferences are refused."""
+    run = lambda job, config, **kwargs: rlhf_run.defs.resolve_job_def(job).execute_in_process(  # noqa: E731
+        instance=rlhf_run.instance, run_config=config, **kwargs)
+    pm = run("preference_model_train", {"ops": {"preference_model_checkpoint": {"config": {
+        **PM_TRAINING, "max_steps": 1, "save_every": 0, "reference": "chosen"}}}})
+    assert pm.success
+    (judge,) = _manifests("preference_model", pm.run_id)
+    assert judge.related["comparisons"]["reference"] == "chosen"
+    assert run("preference_model_eval", {"ops": {"preference_model_eval_report": {"config": EVAL}}}, partition_key=judge.partition).success
+    report = _report(rlhf_run, "preference_model", judge.partition)
+    assert report["own_answer_is_chosen"]["n"] == 3 and 0.0 <= report["own_answer_is_chosen"]["checkpoint"] <= 1.0
+    assert report["comparison_accuracy"]["n"] == 3
+    rlhf = run("rlhf_train", {"ops": {"rlhf_checkpoint": {"config": {**RLHF_TRAINING, "max_steps": 1, "preference_model": judge.partition}}}})
+    assert rlhf.success
+    (manifest,) = _manifests("rlhf", rlhf.run_id)
+    assert manifest.related["preference_model"]["partition"] == judge.partition
+    assert manifest.related["preference_model"]["answers_first"] is True
+    assert 0.0 <= _metadata(rlhf, "rlhf_checkpoint")["final_env/judge_answer_correct"] <= 1.0
+    assert dg.materialize(
+        [next(a for a in rlhf_run.defs.assets if getattr(a, "key", None) == dg.AssetKey("preference_comparisons"))],
+        instance=rlhf_run.instance, resources=tiny_resources(rlhf_run.state),
+        run_config={"ops": {"preference_comparisons": {"config": {"source": "hh_rlhf", "limit": 12, "heldout_fraction": 0.25}}}},
+    ).success
+    _fails_without_registering(rlhf_run, "preference_model_train", "preference_model_checkpoint",
+                               {**PM_TRAINING, "comparisons": "preference_comparisons", "reference": "chosen"},
+                               "holds preferences, not verified answers")
+
+
 def test_every_manifest_names_exactly_the_tables_it_read(rlhf_run):
     manifests = [m for m in all_manifests() if m.recipe in ("preference_model", "rlhf")]
     assert {m.recipe for m in manifests} == {"preference_model", "rlhf"}

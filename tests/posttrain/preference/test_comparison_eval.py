@@ -5,10 +5,14 @@ import math
 import pytest
 
 from posttrain.datasets.problems import RLProblem
-from posttrain.preference.comparison_eval import accuracy_metrics, comparison_metrics
+from posttrain.completers import MessageCompleter, SamplingSettings, TokenCompleter
+from posttrain.preference.comparison_eval import PreferenceAccuracyEvaluator, accuracy_metrics, comparison_metrics
+from posttrain.preference.comparison_format import Comparison, ComparisonRenderer
 from posttrain.preference.env import PreferencePrompt
 from posttrain.preference.preference_model import LabelProbabilities, combine_orders
+from posttrain.renderers import get_renderer
 from tests.posttrain.preference.judges import ShorterIsBetter
+from tests.posttrain.preference.tiny_pairs import TINY_MODEL, tiny_tokenizer
 
 
 def problem(row_id: str, answer: str) -> RLProblem:
@@ -55,3 +59,26 @@ def test_preference_accuracy_counts_the_chosen_preferred_in_both_orders():
     assert metrics["orders_agree"] == pytest.approx(2 / 3)
     assert metrics["position_bias"] == pytest.approx(((-0.8 + 0.6) / 2 + (0.4 + 0.8) / 2 + (0.6 - 0.4) / 2) / 3)
     assert metrics["comparison_accuracy_n"] == 3.0
+
+
+class Target:
+    def __init__(self, client):
+        self.client = client
+
+    def sampling_client(self):
+        return self.client
+
+
+def test_a_judge_that_answers_first_is_scored_with_its_own_answers_and_says_how_often_it_wrote_the_chosen_one(service_client):
+    training_client = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=0).result()
+    client = training_client.save_weights_and_get_sampling_client().result()
+    renderer = ComparisonRenderer(get_renderer("chatml", tiny_tokenizer()))
+    p, q = [{"role": "user", "content": "What is 3 + 4?"}], [{"role": "user", "content": "What is 5 + 1?"}]
+    own = MessageCompleter(TokenCompleter(client, SamplingSettings(max_tokens=8, top_k=1)), renderer.renderer).complete(p, seed=0).text
+    said = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+    comparisons = [Comparison(p, said(own), said(own + "!")), Comparison(q, said(own + "?"), said("6"))]  # chosen first
+    items = PreferenceAccuracyEvaluator(comparisons, renderer, prefix="", answers_first=True, answer_max_tokens=8).score_items(Target(client))
+    assert sorted(items["own_answer_is_chosen"].values()) == [0.0, 1.0]
+    assert len(items["comparison_accuracy"]) == 2
+    plain = PreferenceAccuracyEvaluator(comparisons, renderer, prefix="").score_items(Target(client))
+    assert "own_answer_is_chosen" not in plain

@@ -6,6 +6,7 @@ from posttrain.preference.comparison_format import (
     COMPLETION_A,
     COMPLETION_B,
     PREFERENCE,
+    REFERENCE,
     Comparison,
     ComparisonRenderer,
     LabeledComparison,
@@ -59,3 +60,28 @@ def test_table_rows_become_both_orders_or_one_order_by_hash():
     assert one == labeled_comparisons_from_table(table, None, orders="one", seed=0)
     with pytest.raises(ValueError, match="orders"):
         labeled_comparisons_from_table(table, orders="random")
+
+
+def test_a_reference_answer_sits_between_the_prompt_and_the_completions_in_both_orders():
+    reference = [{"role": "assistant", "content": "4"}]
+    with_reference = COMPARISON.with_reference(reference)
+    roles_contents = [(m["role"], m["content"]) for m in with_reference.conversation()]
+    assert roles_contents[:5] == [
+        ("user", "What is 2 + 2?"), ("system", REFERENCE), ("assistant", "4"), ("system", COMPLETION_A), ("assistant", "4"),
+    ]
+    assert roles_contents[5:] == [("system", COMPLETION_B), ("assistant", "5"), ("system", PREFERENCE)]
+    assert with_reference.swap().reference == reference and with_reference.swap().completion_a == COMPARISON.completion_b
+    rendered = renderer()
+    assert len(rendered.scoring_input(with_reference).prompt_tokens) > len(rendered.scoring_input(COMPARISON).prompt_tokens)
+
+
+def test_table_rows_carry_the_chosen_completion_as_their_reference_when_asked():
+    table = comparisons_table(6, heldout_every=3)
+    plain = labeled_comparisons_from_table(table, "train")
+    referenced = labeled_comparisons_from_table(table, "train", reference="chosen")
+    assert all(c.comparison.reference is None for c in plain)
+    for forward, swapped in zip(referenced[::2], referenced[1::2]):
+        assert forward.comparison.reference == forward.comparison.completion_a  # the chosen side, label A
+        assert swapped.comparison.reference == swapped.comparison.completion_b  # still the chosen side, label B
+    with pytest.raises(ValueError, match="reference"):
+        labeled_comparisons_from_table(table, reference="rejected")

@@ -39,10 +39,23 @@ class ScriptedCompleter:
         return Pending()
 
 
-def rewards_for(answers, settings=TournamentSettings(format_coef=0.0), prompt=None):
+class AnswersFirst(ShorterIsBetter):
+    """A judge that, like a preference model trained with references, has answered the prompt itself."""
+
+    answers_first = True
+
+    def __init__(self, answer: str):
+        super().__init__()
+        self.answer = answer
+
+    def own_answer(self, prompt):
+        return self.answer
+
+
+def rewards_for(answers, settings=TournamentSettings(format_coef=0.0), prompt=None, judge=None):
     renderer = get_renderer("chatml", tiny_tokenizer())
     prompt = prompt or PreferencePrompt("p0", [{"role": "user", "content": "Say something."}])
-    judge = ShorterIsBetter()
+    judge = judge or ShorterIsBetter()
     builder = PairwisePreferenceGroupBuilder(renderer, prompt, len(answers), judge, settings)
     envs = builder.make_envs()
     trajectories = run_episodes(envs, ScriptedCompleter(renderer, answers), seed=0)
@@ -73,6 +86,19 @@ def test_the_judges_agreement_with_the_verifier_is_logged_on_right_against_wrong
     assert metrics["judge_verifier_agreement"] == pytest.approx(2 / 3)
     assert metrics["judge_p_right"] == pytest.approx(2 / 3)
     assert [m["judge_verifier_agreement"] for _, m in rewards] == [metrics["judge_verifier_agreement"]] * 4
+
+
+def test_a_judge_that_answers_first_has_its_own_answer_graded_where_the_prompt_has_a_verifier():
+    table = load(LoadSpec(kind="rl", source="reasoning_gym:basic_arithmetic", limit=2)).table
+    prompt = prompts_from_problems(table, split=None)[0]
+    right = prompt.problem.answer
+    for own, graded in ((right, 1.0), (right + "1", 0.0)):
+        rewards, _, _ = rewards_for([right, "7"], prompt=prompt, judge=AnswersFirst(own))
+        assert rewards[0][1]["judge_answer_correct"] == graded
+    rewards, _, _ = rewards_for(["a", "bb"], judge=AnswersFirst("a"))  # no verifier: nothing to grade it with
+    assert "judge_answer_correct" not in rewards[0][1]
+    rewards, _, _ = rewards_for([right, "7"], prompt=prompt)  # a judge that does not answer first
+    assert "judge_answer_correct" not in rewards[0][1]
 
 
 def test_both_ways_and_chunks_change_who_meets_whom_not_the_meaning():

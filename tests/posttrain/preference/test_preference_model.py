@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from posttrain.completers import MessageCompleter, SamplingSettings, TokenCompleter
 from posttrain.preference.comparison_format import Comparison, ComparisonRenderer
 from posttrain.preference.preference_model import LabelProbabilities, PreferenceModel, combine_orders
 from posttrain.renderers import get_renderer
@@ -65,3 +66,45 @@ def test_identical_completions_tie_without_a_request_in_either_order_mode(orders
     (verdict,) = PreferenceModel(NoSampler(), renderer, orders=orders).judge([Comparison([{"role": "user", "content": "3 + 4?"}], answer, list(answer))])
     assert verdict.identical and verdict.first_wins == verdict.second_wins == 0.5
     assert math.isnan(verdict.position_bias) and verdict.orders_agree is None and verdict.swapped is None
+
+
+class CountingSampler:
+    """A real sampling client that records the prompts it is asked to sample from."""
+
+    def __init__(self, client):
+        self.client = client
+        self.sampled: list[list[int]] = []
+
+    def sample(self, prompt, num_samples, params):
+        self.sampled.append(prompt.to_ints())
+        return self.client.sample(prompt, num_samples, params)
+
+    def compute_logprobs(self, *args, **kwargs):
+        return self.client.compute_logprobs(*args, **kwargs)
+
+
+def test_a_judge_that_answers_first_judges_with_its_own_greedy_answer_once_per_prompt(service_client):
+    training_client = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=0).result()
+    sampler = CountingSampler(training_client.save_weights_and_get_sampling_client().result())
+    renderer = ComparisonRenderer(get_renderer("chatml", tiny_tokenizer()))
+    p, q = [{"role": "user", "content": "What is 3 + 4?"}], [{"role": "user", "content": "What is 5 + 1?"}]
+    said = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+    comparisons = [Comparison(p, said("7"), said("9")), Comparison(p, said("8"), said("7")), Comparison(q, said("6"), said("5")),
+                   Comparison(q, said("6"), said("6"))]
+    judge = PreferenceModel(sampler, renderer, answers_first=True, answer_max_tokens=8)
+    verdicts = judge.judge(comparisons)
+    assert len(sampler.sampled) == 2  # one answer per prompt; the identical pair needs none
+    greedy = MessageCompleter(TokenCompleter(sampler.client, SamplingSettings(max_tokens=8, top_k=1)), renderer.renderer)
+    own = greedy.complete(p, seed=0).text
+    assert judge.own_answer(p) == own and judge.own_answer(q) == greedy.complete(q, seed=0).text
+    # the verdict is exactly the plain judge's on the comparison with that answer as its reference
+    (expected,) = PreferenceModel(sampler.client, renderer).judge([comparisons[0].with_reference(said(own))])
+    assert (verdicts[0].forward, verdicts[0].swapped) == (expected.forward, expected.swapped)
+    (without,) = PreferenceModel(sampler.client, renderer).judge([comparisons[0]])
+    assert without.forward != expected.forward  # the reference is read: the prompt the labels follow differs
+    assert verdicts[3].identical
+    judge.judge(comparisons[:1])
+    given = judge.judge([comparisons[2].with_reference(said("six"))])
+    assert len(sampler.sampled) == 2  # answers are cached, and a comparison that brings its own reference keeps it
+    (explicit,) = PreferenceModel(sampler.client, renderer).judge([comparisons[2].with_reference(said("six"))])
+    assert given[0].forward == explicit.forward
