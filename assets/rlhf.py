@@ -9,7 +9,8 @@ and driver of the RL recipe applies). The judge must be a ``preference_model`` c
 model and tokenizer; anything else is refused before training starts.
 
 Lineage: each manifest names its SFT parent (``init_from``), the preference-model checkpoint that rewarded
-it and that model's comparisons table version (``related.preference_model``), and the prompt table version
+it and that model's comparisons table version (``related.preference_model``; ``related.judge_reference``:
+the checkpoint that wrote the reference answers of a judge that answers first, where one did), and the prompt table version
 (``upstream``). Every sample, with its pairwise scores, is a row of ``rlhf_rollout_batches``.
 
 ``rlhf_eval_report``: on the held-out prompts of the exact prompt version trained on, the win rate (± s.e.)
@@ -78,6 +79,24 @@ def resolve_judge(inputs: RecipeInputs, reference: str) -> CheckpointManifest:
     return manifest
 
 
+def resolve_reference_from(inputs: RecipeInputs, reference: str, judge: CheckpointManifest) -> dict | None:
+    """The sampler ``judge_reference_from`` names (partition and sampler path), None when empty; refused for a
+    judge that does not answer first, which has no reference slot to fill."""
+    if not reference.strip():
+        return None
+    if not judge_answers_first(judge.related.get("comparisons", {})):
+        raise dg.Failure(
+            f"{RECIPE}_checkpoint: judge_reference_from={reference!r} fills the reference slot of a judge that answers first, "
+            f"but the preference model {judge.partition} was trained without references: train one with reference: chosen, "
+            "or leave judge_reference_from empty"
+        )
+    try:
+        found = resolve_sampler(reference, base_model=inputs.base_model, what="judge_reference_from")
+    except InitFromError as error:
+        raise dg.Failure(f"{RECIPE}_checkpoint: {error}") from error
+    return {"partition": found.partition, "sampler_path": found.sampler_path}
+
+
 def judge_lineage(judge: CheckpointManifest) -> dict:
     comparisons = judge.related.get("comparisons", {})
     asset = comparisons.get("asset")
@@ -104,6 +123,7 @@ def build_rlhf(inputs: RecipeInputs) -> RecipeRun:
     if unknown:
         raise dg.Failure(f"{RECIPE}_checkpoint: env_options {unknown} are unknown; RLHF takes split, num_epochs and system")
     judge = resolve_judge(inputs, config.preference_model)
+    reference_from = resolve_reference_from(inputs, config.judge_reference_from, judge)
     tokenizer = load_tokenizer(inputs.base_model)
     asset = config.env
     version = inputs.versions[asset]
@@ -119,6 +139,7 @@ def build_rlhf(inputs: RecipeInputs) -> RecipeRun:
         recipe = RLHFRecipe(
             config, dataset, judge_renderer, judge.sampler_path or "", tokenizer, inputs.parent_sampler_path,
             judge_answers_first=judge_answers_first(judge.related.get("comparisons", {})),
+            reference_path=reference_from["sampler_path"] if reference_from else None,
         )
     except (ValueError, KeyError) as error:
         raise dg.Failure(f"{RECIPE}_checkpoint: {asset} {version.data_version}: {error}") from error
@@ -127,6 +148,7 @@ def build_rlhf(inputs: RecipeInputs) -> RecipeRun:
         row_sinks=[JsonlRowSink(Path(inputs.log_dir) / ROLLOUTS_FILE)],
         related={
             "preference_model": judge_lineage(judge),
+            **({"judge_reference": reference_from} if reference_from else {}),
             "prompts": {"asset": asset, "data_version": version.data_version, "split": split},
             "tournament": {"pattern": config.tournament, "chunk_size": config.tournament_chunk_size, "judge_orders": config.judge_orders},
         },
@@ -182,7 +204,10 @@ def rlhf_evaluators(inputs: EvalInputs) -> list:
 
     def preference_model() -> PreferenceModel:
         client = service().create_sampling_client(model_path=judge["sampler_path"]).result()
-        return PreferenceModel(client, judge_renderer, answers_first=bool(judge.get("answers_first")), answer_max_tokens=config.max_tokens)
+        reference_from = manifest.related.get("judge_reference")
+        answerer = service().create_sampling_client(model_path=reference_from["sampler_path"]).result() if reference_from else None
+        return PreferenceModel(client, judge_renderer, answers_first=bool(judge.get("answers_first")), answer_max_tokens=config.max_tokens,
+                               answerer=answerer)
 
     return [ComparisonEvaluator(renderer, prompts, opponent, preference_model, max_tokens=config.max_tokens, seed=config.seed)]
 

@@ -26,7 +26,8 @@ A judge trained with reference answers (``answers_first=True``, its checkpoint's
 first answers each distinct prompt itself, greedily, with the same weights, and judges every comparison of
 that prompt with its own answer in the reference slot (``comparison_format``). The answers are cached per
 prompt: the judge is fixed for its lifetime and greedy decoding is deterministic, so a prompt seen again (the
-next epoch, the eval's second target) costs no second request.
+next epoch, the eval's second target) costs no second request. ``answerer`` lets another sampler (e.g. a
+stronger checkpoint) write those answers instead of the judge's own weights.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ class PreferenceModel:
     """A sampling client on preference-model weights + the comparison renderer it was trained with.
 
     ``answers_first``: the judge writes its own greedy answer (at most ``answer_max_tokens`` tokens) to each
-    prompt and reads it as the comparison's reference (see the module docstring)."""
+    prompt and reads it as the comparison's reference (see the module docstring); ``answerer``: the sampler that
+    writes that answer, when it is not the judge's own weights."""
 
     def __init__(
         self,
@@ -159,6 +161,7 @@ class PreferenceModel:
         labels: Sequence[str] = LABELS,
         answers_first: bool = False,
         answer_max_tokens: int = 64,
+        answerer: tinker.SamplingClient | None = None,
     ):
         if orders not in ORDERS:
             raise ValueError(f"orders={orders!r} is not one of {ORDERS}")
@@ -171,7 +174,7 @@ class PreferenceModel:
         self.labels = tuple(labels)
         self.answers_first = answers_first
         self._completer = MessageCompleter(
-            TokenCompleter(sampling_client, SamplingSettings(max_tokens=answer_max_tokens, top_k=1)), renderer.renderer
+            TokenCompleter(answerer or sampling_client, SamplingSettings(max_tokens=answer_max_tokens, top_k=1)), renderer.renderer
         )
         self._answers: dict[str, str] = {}
 

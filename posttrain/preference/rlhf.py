@@ -6,7 +6,8 @@
 - :class:`RLHFRecipe` — the RL recipe (every loss, KL option and driver of ``posttrain.rl``) over a
   :class:`~posttrain.preference.env.PreferenceDataset`: rewards are win fractions in tournaments judged
   by the preference model whose sampler weights ``judge_path`` names, opened in ``start`` (answering each
-  prompt itself first when it was trained with reference answers, ``judge_answers_first``).
+  prompt itself first when it was trained with reference answers, ``judge_answers_first``, or reading the
+  answer of the checkpoint ``reference_path`` names).
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ class RLHFConfig(RLConfig):
     tournament: TournamentPattern = documented("all_pairs_one_way", "Pairs judged per group: all_pairs_one_way (i<j) or all_pairs_both_ways.")
     tournament_chunk_size: int = documented(0, "> 1: tournaments only within chunks of this many samples (fewer judgements); 0 = whole group.")
     judge_orders: Orders = documented("both", "both: each pair judged in both orders and averaged (cancels position bias); one: as given.")
+    judge_reference_from: str = documented(
+        "",
+        "For a judge trained with reference: chosen, the checkpoint whose greedy answer fills its reference slot (a partition "
+        "key, latest:<recipe>, best:<recipe>); empty = the judge answers itself.",
+    )
 
     def problems(self) -> list[str]:
         found = super().problems()
@@ -106,6 +112,7 @@ class RLHFRecipe(RLRecipe):
         tokenizer: Any | None = None,
         parent_sampler_path: str | None = None,
         judge_answers_first: bool = False,
+        reference_path: str | None = None,
     ):
         if not judge_path.startswith("tinker://"):
             raise ValueError(f"judge_path must be the preference model's tinker://.../sampler_weights/... path, got {judge_path!r}")
@@ -114,16 +121,19 @@ class RLHFRecipe(RLRecipe):
         self.comparison_renderer = comparison_renderer
         self.judge_path = judge_path
         self.judge_answers_first = judge_answers_first
+        self.reference_path = reference_path
 
     def identity(self) -> dict[str, Any]:
         config: RLHFConfig = self.config  # type: ignore[assignment]
-        return {**super().identity(), "preference_model": self.judge_path, "judge_orders": config.judge_orders}
+        found = {**super().identity(), "preference_model": self.judge_path, "judge_orders": config.judge_orders}
+        return found | ({"judge_reference_from": self.reference_path} if self.reference_path else {})
 
     def start(self, training_client: tinker.TrainingClient, service_client: tinker.ServiceClient, start_step: int) -> None:
         config: RLHFConfig = self.config  # type: ignore[assignment]
         judge_client = service_client.create_sampling_client(model_path=self.judge_path).result()
+        answerer = service_client.create_sampling_client(model_path=self.reference_path).result() if self.reference_path else None
         self.preference_dataset.bind(PreferenceModel(
             judge_client, self.comparison_renderer, orders=config.judge_orders,
-            answers_first=self.judge_answers_first, answer_max_tokens=config.max_tokens,
+            answers_first=self.judge_answers_first, answer_max_tokens=config.max_tokens, answerer=answerer,
         ))
         super().start(training_client, service_client, start_step)

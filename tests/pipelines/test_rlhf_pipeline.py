@@ -260,7 +260,8 @@ def test_comparisons_without_train_rows_are_refused_before_anything_is_stored_or
 
 def test_a_judge_trained_with_reference_answers_writes_its_own_before_it_judges(rlhf_run):
     """reference=chosen: the judge trains with the verified chosen answer before each pair; its eval report and RLHF
-    judge with its own answer there (recorded in the lineage, its answers graded live); human preferences are refused."""
+    judge with its own answer there (recorded in the lineage, its answers graded live), or with another checkpoint's
+    (judge_reference_from, refused for a judge without references); human preferences are refused."""
     run = lambda job, config, **kwargs: rlhf_run.defs.resolve_job_def(job).execute_in_process(  # noqa: E731
         instance=rlhf_run.instance, run_config=config, **kwargs)
     pm = run("preference_model_train", {"ops": {"preference_model_checkpoint": {"config": {
@@ -278,6 +279,20 @@ def test_a_judge_trained_with_reference_answers_writes_its_own_before_it_judges(
     assert manifest.related["preference_model"]["partition"] == judge.partition
     assert manifest.related["preference_model"]["answers_first"] is True
     assert 0.0 <= _metadata(rlhf, "rlhf_checkpoint")["final_env/judge_answer_correct"] <= 1.0
+    assert "judge_reference" not in manifest.related  # the judge wrote its own answers
+    (sft,) = _manifests("sft")
+    answered = run("rlhf_train", {"ops": {"rlhf_checkpoint": {"config": {
+        **RLHF_TRAINING, "max_steps": 1, "preference_model": judge.partition, "judge_reference_from": sft.partition}}}})
+    assert answered.success
+    (manifest,) = _manifests("rlhf", answered.run_id)
+    assert manifest.related["judge_reference"] == {"partition": sft.partition, "sampler_path": sft.sampler_path}
+    result = subprocess.run([sys.executable, "-m", "pipelines", "lineage", manifest.partition], cwd=REPO,
+                            env={**os.environ, **rlhf_run.env}, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0 and f"judge_reference {sft.partition} (sft, step {sft.step})" in result.stdout, result.stdout
+    plain_judge = _manifests("preference_model", rlhf_run.pm_chain.run_id)[-1]
+    _fails_without_registering(rlhf_run, "rlhf_train", "rlhf_checkpoint",
+                               {**RLHF_TRAINING, "max_steps": 1, "preference_model": plain_judge.partition, "judge_reference_from": sft.partition},
+                               "was trained without references")
     assert dg.materialize(
         [next(a for a in rlhf_run.defs.assets if getattr(a, "key", None) == dg.AssetKey("preference_comparisons"))],
         instance=rlhf_run.instance, resources=tiny_resources(rlhf_run.state),

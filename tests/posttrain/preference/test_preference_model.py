@@ -108,3 +108,15 @@ def test_a_judge_that_answers_first_judges_with_its_own_greedy_answer_once_per_p
     assert len(sampler.sampled) == 2  # answers are cached, and a comparison that brings its own reference keeps it
     (explicit,) = PreferenceModel(sampler.client, renderer).judge([comparisons[2].with_reference(said("six"))])
     assert given[0].forward == explicit.forward
+
+
+def test_another_sampler_can_write_the_answers_a_judge_reads(service_client):
+    training_client = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=0).result()
+    client = training_client.save_weights_and_get_sampling_client().result()
+    judge_client, answerer = CountingSampler(client), CountingSampler(client)
+    renderer = ComparisonRenderer(get_renderer("chatml", tiny_tokenizer()))
+    prompt = [{"role": "user", "content": "What is 3 + 4?"}]
+    judge = PreferenceModel(judge_client, renderer, answers_first=True, answer_max_tokens=8, answerer=answerer)
+    judge.judge([Comparison(prompt, [{"role": "assistant", "content": "7"}], [{"role": "assistant", "content": "9"}])])
+    assert (len(answerer.sampled), len(judge_client.sampled)) == (1, 0)
+    assert judge.own_answer(prompt) is not None
