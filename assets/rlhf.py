@@ -9,9 +9,9 @@ and driver of the RL recipe applies). The judge must be a ``preference_model`` c
 model and tokenizer; anything else is refused before training starts.
 
 Lineage: each manifest names its SFT parent (``init_from``), the preference-model checkpoint that rewarded
-it and that model's comparisons table version (``related.preference_model``; ``related.judge_reference``:
-the checkpoint that wrote the reference answers of a judge that answers first, where one did), and the prompt table version
-(``upstream``). Every sample, with its pairwise scores, is a row of ``rlhf_rollout_batches``.
+it and that model's comparisons table version (``related.preference_model``), the checkpoint that wrote the
+reference answers of a judge that answers first, where one did (``related.judge_reference``), and the prompt
+table version (``upstream``). Every sample, with its pairwise scores, is a row of ``rlhf_rollout_batches``.
 
 ``rlhf_eval_report``: on the held-out prompts of the exact prompt version trained on, the win rate (± s.e.)
 of the checkpoint over its parent judged by the recorded preference model (both orders), and — where the
