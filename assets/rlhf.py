@@ -123,6 +123,7 @@ def build_rlhf(inputs: RecipeInputs) -> RecipeRun:
     if unknown:
         raise dg.Failure(f"{RECIPE}_checkpoint: env_options {unknown} are unknown; RLHF takes split, num_epochs and system")
     judge = resolve_judge(inputs, config.preference_model)
+    judged_by = judge_lineage(judge)
     reference_from = resolve_reference_from(inputs, config.judge_reference_from, judge)
     tokenizer = load_tokenizer(inputs.base_model)
     asset = config.env
@@ -138,7 +139,7 @@ def build_rlhf(inputs: RecipeInputs) -> RecipeRun:
         judge_renderer = ComparisonRenderer(get_renderer(judge.renderer or config.renderer, tokenizer))
         recipe = RLHFRecipe(
             config, dataset, judge_renderer, judge.sampler_path or "", tokenizer, inputs.parent_sampler_path,
-            judge_answers_first=judge_answers_first(judge.related.get("comparisons", {})),
+            judge_answers_first=judged_by["answers_first"],
             reference_path=reference_from["sampler_path"] if reference_from else None,
         )
     except (ValueError, KeyError) as error:
@@ -147,7 +148,7 @@ def build_rlhf(inputs: RecipeInputs) -> RecipeRun:
         recipe,
         row_sinks=[JsonlRowSink(Path(inputs.log_dir) / ROLLOUTS_FILE)],
         related={
-            "preference_model": judge_lineage(judge),
+            "preference_model": judged_by,
             **({"judge_reference": reference_from} if reference_from else {}),
             "prompts": {"asset": asset, "data_version": version.data_version, "split": split},
             "tournament": {"pattern": config.tournament, "chunk_size": config.tournament_chunk_size, "judge_orders": config.judge_orders},
