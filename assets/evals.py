@@ -198,9 +198,15 @@ def build_eval_asset(spec: EvalSpec) -> dg.AssetsDefinition:
     return _eval
 
 
+SCORES_FORMAT = 2
+"""Part of each cached base / parent score's key. Raise it when an evaluator gains or changes a metric: a cache
+written before would leave that metric's base and parent columns blank (or stale) in every later report."""
+
+
 def _cache_key(spec: EvalSpec, inputs: EvalInputs, model: str) -> str:
     key = json.dumps(
         {
+            "scores": SCORES_FORMAT,
             "model": model,
             "recipe": spec.training.recipe,
             "data": {asset: inputs.manifest.upstream[asset]["data_version"] for asset in inputs.tables},

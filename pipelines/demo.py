@@ -170,15 +170,21 @@ def run_stage(defs: dg.Definitions, instance: dg.DagsterInstance, stage: DemoSta
         (m for m in all_manifests() if m.training_dagster_run_id == chain.run_id and m.recipe == stage.recipe), key=lambda m: m.step
     )
     result = StageResult(stage, chain.run_id, checkpoints)
-    eval_job = defs.resolve_job_def(f"{stage.recipe}_eval")
     for manifest in checkpoints if evaluate_all else checkpoints[-1:]:
-        eval_ops = {"ops": {f"{stage.recipe}_eval_report": {"config": stage.eval_config}}}
-        run = eval_job.execute_in_process(instance=instance, partition_key=manifest.partition, run_config={**QUIET, **eval_ops})
-        if not run.success:
-            raise RuntimeError(f"{stage.recipe}_eval of {manifest.partition} failed (run {run.run_id}); see `make ui`")
-        result.reports[manifest.partition] = read_report(f"{stage.recipe}_eval_report", manifest.partition)
+        result.reports[manifest.partition] = evaluate_checkpoint(defs, instance, stage, manifest.partition)
     result.seconds = time.monotonic() - started
     return result
+
+
+def evaluate_checkpoint(defs: dg.Definitions, instance: dg.DagsterInstance, stage: DemoStage, partition: str) -> dict[str, dict[str, Any]]:
+    """The stage's ``<recipe>_eval`` job on one checkpoint partition (with the stage's eval config); its report's rows."""
+    eval_ops = {"ops": {f"{stage.recipe}_eval_report": {"config": stage.eval_config}}}
+    run = defs.resolve_job_def(f"{stage.recipe}_eval").execute_in_process(
+        instance=instance, partition_key=partition, run_config={**QUIET, **eval_ops}
+    )
+    if not run.success:
+        raise RuntimeError(f"{stage.recipe}_eval of {partition} failed (run {run.run_id}); see `make ui`")
+    return read_report(f"{stage.recipe}_eval_report", partition)
 
 
 def run_benchmark_stage(defs: dg.Definitions, instance: dg.DagsterInstance, models: list[str], limit: int = DEMO_BENCHMARK_LIMIT) -> BenchmarkStageResult:
@@ -224,7 +230,7 @@ def run_demo(
 
 
 SHOWN_METRICS = ("accuracy", "reward", "pass@1", "pass@4", "pair_accuracy", "margin", "comparison_accuracy", "orders_agree",
-                 "position_bias", "win_rate", "nll", "bpb", "teacher_kl", "agreement")
+                 "position_bias", "win_rate", "verdict_win_rate", "nll", "bpb", "teacher_kl", "agreement")
 
 
 def read_report(asset: str, partition: str) -> dict[str, dict[str, Any]]:

@@ -7,6 +7,7 @@ stages before it. Not a speed bench: it prints the stage's eval table, as the de
     .venv/bin/python scripts/demo_stage.py rl rl_checkpoint.learning_rate=1e-4 rl_checkpoint.groups_per_batch=16
     .venv/bin/python scripts/demo_stage.py preference_model preference_model_checkpoint.learning_rate=5e-4
     .venv/bin/python scripts/demo_stage.py rlhf rlhf_checkpoint.kl_penalty_coef=0.05 eval.max_problems=64
+    .venv/bin/python scripts/demo_stage.py rlhf --evaluate rlhf-0b4086d4-000016   # (re-)evaluate checkpoints only
 
 A stage chains from the newest checkpoint of the stage before it in ``pipelines/demo.py``. Overrides are
 ``<op>.<field>=<JSON value>`` on the stage's chain config (``eval.<field>`` on its eval-report config). Prints the
@@ -56,6 +57,7 @@ def main() -> int:
     parser.add_argument("--all", action="store_true", help="evaluate every checkpoint, not only the last")
     parser.add_argument("--no-eval", action="store_true", help="run the chain only (e.g. then judge with scripts/rlhf_judge_errors.py)")
     parser.add_argument("--train-only", action="store_true", help="the <recipe>_train job: train on the newest data already there, no eval")
+    parser.add_argument("--evaluate", nargs="+", metavar="PARTITION", help="no training: run the eval report of these checkpoints")
     args = parser.parse_intermixed_args()
     if "POSTTRAIN_STATE_DIR" not in os.environ:
         parser.error("set POSTTRAIN_STATE_DIR to a directory of its own (the prepared checkpoints live there)")
@@ -63,7 +65,8 @@ def main() -> int:
     import dagster as dg
 
     from pipelines.definitions import defs
-    from pipelines.demo import QUIET, format_stage, run_stage
+    from assets.checkpoint_manifest import read_manifest
+    from pipelines.demo import QUIET, StageResult, evaluate_checkpoint, format_stage, run_stage
     from resources.state import ensure_dagster_home
 
     stage = stages[args.stage]
@@ -72,7 +75,13 @@ def main() -> int:
         stage = replace(stage, eval_config={**stage.eval_config, **overrides.pop("eval")})
     started = time.monotonic()
     with dg.DagsterInstance.from_config(str(ensure_dagster_home())) as instance:
-        if args.no_eval or args.train_only:
+        if args.evaluate:
+            result = StageResult(stage, "(none: --evaluate)", [read_manifest(partition) for partition in args.evaluate])
+            for partition in args.evaluate:
+                result.reports[partition] = evaluate_checkpoint(defs, instance, stage, partition)
+            result.seconds = time.monotonic() - started
+            print(format_stage(result), flush=True)
+        elif args.no_eval or args.train_only:
             ops = {name: {"config": {**op["config"], **overrides.get(name, {})}} for name, op in stage.run_config.items()}
             if args.train_only:
                 ops = {name: op for name, op in ops.items() if name == f"{stage.recipe}_checkpoint"}

@@ -18,8 +18,8 @@ from posttrain.eval.stats import SIGNIFICANCE_SE, Estimate, PairedDifference, me
 
 LOWER_IS_BETTER = frozenset({"nll", "bpb", "teacher_kl", "dpo_loss"})
 HIGHER_IS_BETTER = frozenset(
-    {"accuracy", "pair_accuracy", "win_rate", "reward", "agreement", "format_rate", "well_formed", "margin",
-     "comparison_accuracy", "orders_agree"}
+    {"accuracy", "pair_accuracy", "win_rate", "verdict_win_rate", "reward", "agreement", "format_rate", "well_formed",
+     "margin", "comparison_accuracy", "orders_agree"}
 )
 
 

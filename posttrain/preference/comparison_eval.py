@@ -11,7 +11,8 @@ an eval report computes n, standard errors and paired differences with the paren
 - :class:`ComparisonEvaluator` scores *a policy*: the policy and a fixed reference (e.g. the checkpoint's
   parent) answer each held-out prompt greedily; the preference model judges each pair of answers in both
   orders; the policy's win on a prompt is P(policy better) + ½ P(tie). The win rate is the mean over prompts
-  with its standard error. Where prompts come with a verifier, both answers are also graded: ``accuracy``
+  with its standard error; ``verdict_win_rate`` counts each order's most probable label instead (win 1, tie
+  ½, loss 0), the tinker-cookbook evaluator's greedy verdicts. Where prompts come with a verifier, both answers are also graded: ``accuracy``
   is the policy's true held-out accuracy (the check against reward hacking), with the paired difference
   against the reference.
 Every mean is a ``posttrain.eval.stats`` estimate (value, standard error, n).
@@ -119,7 +120,8 @@ def greedy_answers(target: EvalTarget, renderer: ChatRenderer, prompts: Sequence
 
 
 class ComparisonEvaluator:
-    """``{prefix}win_rate`` of a target over a fixed opponent judged by a preference model, per held-out prompt.
+    """``{prefix}win_rate`` (and ``verdict_win_rate``) of a target over a fixed opponent judged by a preference
+    model, per held-out prompt.
 
     The opponent's answers are computed once, at the first call, and reused for every target an eval report
     scores. ``judge`` returns the preference model (created on first use). Where prompts have a verifier,
@@ -165,14 +167,17 @@ def comparison_items(
     prompts: Sequence[PreferencePrompt], answers: Sequence[str], opponent_answers: Sequence[str], judge: PreferenceModel, prefix: str = ""
 ) -> ItemScores:
     """Per prompt: the win of ``answers`` over ``opponent_answers`` (policy shown first, both orders judged),
-    the judge's position bias, and the verifier grade of ``answers`` where the prompt has a verifier."""
+    by probabilities and by verdicts, the judge's position bias, and the verifier grade of ``answers`` where the prompt has a verifier."""
     comparisons = [
         Comparison(prompt.messages, [{"role": "assistant", "content": mine}], [{"role": "assistant", "content": theirs}])
         for prompt, mine, theirs in zip(prompts, answers, opponent_answers, strict=True)
     ]
     keys = item_keys([prompt.messages for prompt in prompts])
     verdicts = judge.judge(comparisons)
-    items: ItemScores = {f"{prefix}win_rate": {k: v.first_wins for k, v in zip(keys, verdicts)}}
+    items: ItemScores = {
+        f"{prefix}win_rate": {k: v.first_wins for k, v in zip(keys, verdicts)},
+        f"{prefix}verdict_win_rate": {k: v.first_wins_by_verdicts for k, v in zip(keys, verdicts)},
+    }
     biased = {k: v.position_bias for k, v in zip(keys, verdicts) if v.swapped is not None}
     if biased:
         items[f"{prefix}judge_position_bias"] = biased

@@ -17,6 +17,10 @@ the two verdicts are averaged, which cancels a preference for a position. Per or
 - ``orders_agree`` — the label it would pick is the same completion in both orders.
 
 ``second_wins = (1 + score) / 2`` = P(B better) + ½ P(tie) is what a tournament counts as B's win.
+``first_wins_by_verdicts`` counts only the label each order would pick (win 1, tie ½, loss 0), averaged over
+the orders: the cookbook's comparison evaluator, which reads one greedy verdict token per order, and
+AlpacaEval's counting. It does not credit a sure judge less for being unsure elsewhere, and it cannot see how
+sure it was: an eval reports both.
 
 Identical completions are a tie without asking the model (``identical=True``, score 0): in both orders the
 comparison is the same text, so the averaged score is exactly 0 anyway. A policy's samples and a policy and
@@ -92,6 +96,17 @@ class PairVerdict:
     @property
     def first_wins(self) -> float:
         return 1.0 - self.second_wins
+
+    @property
+    def first_wins_by_verdicts(self) -> float:
+        """A's win from the label each order would pick (1, ½ for a tie, 0), averaged over the orders judged."""
+        wins = [_FIRST_WINS[self.forward.verdict]]
+        if self.swapped is not None:
+            wins.append(1.0 - _FIRST_WINS[self.swapped.verdict])  # swapped: the original A is shown second
+        return sum(wins) / len(wins)
+
+
+_FIRST_WINS = {"A": 1.0, "B": 0.0, "Tie": 0.5}
 
 
 def verdict_correct(chosen_wins: float) -> float:

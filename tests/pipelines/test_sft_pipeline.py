@@ -120,3 +120,17 @@ def test_every_manifest_names_exactly_the_tables_it_read(sft_pipeline_run):
     assert manifests
     for manifest in manifests:
         assert_manifest_names_exactly_the_tables_read(sft_pipeline_run.defs, manifest)
+
+
+def test_the_demo_evaluates_a_checkpoint_it_names_and_reads_its_report_back(sft_pipeline_run):
+    """``scripts/demo_stage.py --evaluate``: the stage's eval job on one partition, its rows read from the parquet."""
+    from pipelines.demo import DemoStage, evaluate_checkpoint
+    from tests.fixtures.dagster_env import TINY_EVAL_CONFIG
+
+    run = sft_pipeline_run
+    first = run.requested_partitions[0]
+    assert first not in run.evals  # not evaluated by the fixture: this call makes its report
+    stage = DemoStage("sft", {}, eval_config=TINY_EVAL_CONFIG["ops"]["sft_eval_report"]["config"])
+    rows = evaluate_checkpoint(run.defs, run.instance, stage, first)
+    assert rows == _report_rows(run, first)
+    assert rows["nll"]["n"] > 0 and rows["nll"]["base"] is not None

@@ -30,6 +30,7 @@ def test_win_rate_and_its_standard_error_match_a_hand_computation():
     stderr = math.sqrt(sum((s - mean) ** 2 for s in scores) / 3 / 4)
     assert metrics["win_rate"] == pytest.approx(mean) and metrics["win_rate_stderr"] == pytest.approx(stderr)
     assert metrics["win_rate_n"] == 4.0
+    assert metrics["verdict_win_rate"] == pytest.approx(mean)  # a sure judge: its verdicts are its probabilities
     assert metrics["judge_position_bias"] == 0.0
     # the verifier: mine 3/4 correct, theirs 3/4; per prompt differences 0, 0, 0, 0
     assert metrics["accuracy"] == 0.75 and metrics["opponent_accuracy"] == 0.75
@@ -43,8 +44,22 @@ def test_a_position_biased_judge_shows_its_bias():
     # forward: the second ("a") is better, P = 1.0 (+0.3, clipped): s_f = 1.0; swapped: the second ("aa")
     # gets 0.0 + 0.3: s_s = 0.3 - 0.7 = -0.4. score = (1.0 + 0.4) / 2 = 0.7, so "aa" wins (1 - 0.7) / 2.
     assert metrics["win_rate"] == pytest.approx(0.15)
+    assert metrics["verdict_win_rate"] == 0.0  # "a" is the most probable label's pick in both orders
     assert metrics["judge_position_bias"] == pytest.approx((1.0 - 0.4) / 2)
     assert "accuracy" not in metrics  # no verifier
+
+
+def test_verdict_wins_count_the_label_each_order_would_pick():
+    unsure_right = combine_orders(LabelProbabilities(0.6, 0.4, 0.0), LabelProbabilities(0.3, 0.7, 0.0))
+    split = combine_orders(LabelProbabilities(0.9, 0.1, 0.0), LabelProbabilities(0.9, 0.1, 0.0))  # "first" twice
+    tie_then_loss = combine_orders(LabelProbabilities(0.3, 0.3, 0.4), LabelProbabilities(0.8, 0.2, 0.0))
+    one_order = combine_orders(LabelProbabilities(0.45, 0.55, 0.0), None)
+    assert unsure_right.first_wins == pytest.approx(0.65) and unsure_right.first_wins_by_verdicts == 1.0
+    assert split.first_wins == pytest.approx(0.5) and split.first_wins_by_verdicts == 0.5
+    assert tie_then_loss.first_wins_by_verdicts == pytest.approx((0.5 + 0.0) / 2)
+    assert one_order.first_wins_by_verdicts == 0.0
+    equal = combine_orders(LabelProbabilities(0.5, 0.5, 0.0), LabelProbabilities(0.5, 0.5, 0.0))
+    assert equal.first_wins_by_verdicts == 0.5  # A and B as likely: no preference, a tie
 
 
 def test_preference_accuracy_counts_the_chosen_preferred_in_both_orders():
