@@ -230,7 +230,7 @@ def run_demo(
 
 
 SHOWN_METRICS = ("accuracy", "reward", "pass@1", "pass@4", "pair_accuracy", "margin", "comparison_accuracy", "orders_agree",
-                 "position_bias", "win_rate", "verdict_win_rate", "nll", "bpb", "teacher_kl", "agreement")
+                 "position_bias", "win_rate", "verdict_win_rate", "win_rate_verifier_tied", "nll", "bpb", "teacher_kl", "agreement")
 
 
 def read_report(asset: str, partition: str) -> dict[str, dict[str, Any]]:

@@ -12,9 +12,10 @@ an eval report computes n, standard errors and paired differences with the paren
   parent) answer each held-out prompt greedily; the preference model judges each pair of answers in both
   orders; the policy's win on a prompt is P(policy better) + ½ P(tie). The win rate is the mean over prompts
   with its standard error; ``verdict_win_rate`` counts each order's most probable label instead (win 1, tie
-  ½, loss 0), the tinker-cookbook evaluator's greedy verdicts. Where prompts come with a verifier, both answers are also graded: ``accuracy``
-  is the policy's true held-out accuracy (the check against reward hacking), with the paired difference
-  against the reference.
+  ½, loss 0), the tinker-cookbook evaluator's greedy verdicts. Where prompts come with a verifier, both
+  answers are also graded: ``accuracy`` is the policy's true held-out accuracy (the check against reward
+  hacking), with the paired difference against the reference, and ``win_rate_verifier_tied`` is the win rate
+  on the prompts where both answers grade alike (what the policy wins by, other than being right).
 Every mean is a ``posttrain.eval.stats`` estimate (value, standard error, n).
 """
 
@@ -166,8 +167,11 @@ class ComparisonEvaluator:
 def comparison_items(
     prompts: Sequence[PreferencePrompt], answers: Sequence[str], opponent_answers: Sequence[str], judge: PreferenceModel, prefix: str = ""
 ) -> ItemScores:
-    """Per prompt: the win of ``answers`` over ``opponent_answers`` (policy shown first, both orders judged),
-    by probabilities and by verdicts, the judge's position bias, and the verifier grade of ``answers`` where the prompt has a verifier."""
+    """Per prompt: the win of ``answers`` over ``opponent_answers`` (policy shown first, both orders judged), by
+    probabilities and by verdicts, and the judge's position bias. Where the prompt has a verifier: the grade of
+    ``answers`` (``accuracy``), and the win again on the prompts where both answers grade alike
+    (``win_rate_verifier_tied``: ½ for a judge that follows the verifier; above ½, the policy wins on something
+    the verifier does not check — its style, or the judge's blind spots)."""
     comparisons = [
         Comparison(prompt.messages, [{"role": "assistant", "content": mine}], [{"role": "assistant", "content": theirs}])
         for prompt, mine, theirs in zip(prompts, answers, opponent_answers, strict=True)
@@ -184,7 +188,15 @@ def comparison_items(
     graded = {k: grade for k, p, mine in zip(keys, prompts, answers) if (grade := p.grade(mine)) is not None}
     if graded:
         items[f"{prefix}accuracy"] = graded
+        theirs = _grades(prompts, keys, opponent_answers)
+        tied = {k: items[f"{prefix}win_rate"][k] for k, grade in graded.items() if theirs.get(k) == grade}
+        if tied:
+            items[f"{prefix}win_rate_verifier_tied"] = tied
     return items
+
+
+def _grades(prompts: Sequence[PreferencePrompt], keys: Sequence[str], answers: Sequence[str]) -> dict[str, float]:
+    return {k: grade for k, p, answer in zip(keys, prompts, answers) if (grade := p.grade(answer)) is not None}
 
 
 def comparison_metrics(
@@ -196,8 +208,7 @@ def comparison_metrics(
     metrics = summarize(items)
     mine = items.get(f"{prefix}accuracy")
     if mine:
-        keys = item_keys([prompt.messages for prompt in prompts])
-        theirs = {k: grade for k, p, answer in zip(keys, prompts, opponent_answers) if (grade := p.grade(answer)) is not None}
+        theirs = _grades(prompts, item_keys([prompt.messages for prompt in prompts]), opponent_answers)
         metrics[f"{prefix}opponent_accuracy"] = mean_estimate(list(theirs.values())).value
         difference = paired_difference(mine, theirs)
         metrics.update({f"{prefix}accuracy_delta": difference.delta, f"{prefix}accuracy_delta_stderr": difference.stderr})

@@ -174,6 +174,7 @@ def test_eval_reports_score_the_judge_and_the_rlhf_checkpoint_against_its_parent
     assert rlhf["win_rate"]["parent"] == pytest.approx(0.5)  # the parent against itself: identical answers tie
     assert rlhf["win_rate"]["n"] == 3 and 0.0 <= rlhf["win_rate"]["checkpoint"] <= 1.0
     assert rlhf["verdict_win_rate"]["parent"] == pytest.approx(0.5) and rlhf["verdict_win_rate"]["n"] == 3
+    assert rlhf["win_rate_verifier_tied"]["parent"] == pytest.approx(0.5)  # against itself every prompt is even
     assert rlhf["accuracy"]["n"] == 3 and rlhf["accuracy"]["delta_parent"] is not None  # the verifier, paired with the parent
 
 

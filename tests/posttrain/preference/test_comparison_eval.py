@@ -38,6 +38,16 @@ def test_win_rate_and_its_standard_error_match_a_hand_computation():
     assert (metrics["accuracy_delta"], metrics["accuracy_delta_stderr"]) == (0.0, 0.0)
 
 
+def test_the_win_on_prompts_the_verifier_calls_even_is_reported_apart():
+    prompts = [PreferencePrompt(f"p{i}", [{"role": "user", "content": f"q{i}"}], problem(f"p{i}", "12")) for i in range(3)]
+    mine = ["12", "The answer is 12", "12"]
+    theirs = ["13", "12", "The sum is 13"]  # graded wrong, right, wrong: only p1 is even
+    metrics = comparison_metrics(prompts, mine, theirs, ShorterIsBetter())
+    assert metrics["win_rate"] == pytest.approx((0.5 + 0.0 + 1.0) / 3)  # equal length ties; shorter wins
+    assert metrics["win_rate_verifier_tied"] == 0.0 and metrics["win_rate_verifier_tied_n"] == 1.0
+    assert "win_rate_verifier_tied" not in comparison_metrics(prompts[:1], ["12"], ["13"], ShorterIsBetter())
+
+
 def test_a_position_biased_judge_shows_its_bias():
     prompts = [PreferencePrompt("p", [{"role": "user", "content": "q"}])]
     metrics = comparison_metrics(prompts, ["aa"], ["a"], ShorterIsBetter(bias=0.3))
