@@ -7,7 +7,7 @@ stages before it. Not a speed bench: it prints the stage's eval table, as the de
     .venv/bin/python scripts/demo_stage.py rl rl_checkpoint.learning_rate=1e-4 rl_checkpoint.groups_per_batch=16
     .venv/bin/python scripts/demo_stage.py preference_model preference_model_checkpoint.learning_rate=5e-4
     .venv/bin/python scripts/demo_stage.py rlhf rlhf_checkpoint.kl_penalty_coef=0.05 eval.max_problems=64
-    .venv/bin/python scripts/demo_stage.py rlhf --evaluate rlhf-0b4086d4-000016   # (re-)evaluate checkpoints only
+    .venv/bin/python scripts/demo_stage.py rlhf --evaluate <partition> [<partition> …]   # (re-)score checkpoints only
 
 A stage chains from the newest checkpoint of the stage before it in ``pipelines/demo.py``. Overrides are
 ``<op>.<field>=<JSON value>`` on the stage's chain config (``eval.<field>`` on its eval-report config). Prints the

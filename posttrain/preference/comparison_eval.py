@@ -126,7 +126,8 @@ class ComparisonEvaluator:
 
     The opponent's answers are computed once, at the first call, and reused for every target an eval report
     scores. ``judge`` returns the preference model (created on first use). Where prompts have a verifier,
-    ``{prefix}accuracy`` is the target's verifier grade per prompt (the report pairs it with the parent's).
+    ``{prefix}accuracy`` is the target's verifier grade per prompt (the report pairs it with the parent's) and
+    ``{prefix}win_rate_verifier_tied`` its win on the prompts where both answers grade alike.
     """
 
     def __init__(

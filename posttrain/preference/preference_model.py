@@ -19,8 +19,8 @@ the two verdicts are averaged, which cancels a preference for a position. Per or
 ``second_wins = (1 + score) / 2`` = P(B better) + ½ P(tie) is what a tournament counts as B's win.
 ``first_wins_by_verdicts`` counts only the label each order would pick (win 1, tie ½, loss 0), averaged over
 the orders: the cookbook's comparison evaluator, which reads one greedy verdict token per order, and
-AlpacaEval's counting. It does not credit a sure judge less for being unsure elsewhere, and it cannot see how
-sure it was: an eval reports both.
+AlpacaEval's counting. It ignores how sure the judge was (P = 0.51 counts as a whole win), so an eval reports
+both.
 
 Identical completions are a tie without asking the model (``identical=True``, score 0): in both orders the
 comparison is the same text, so the averaged score is exactly 0 anyway. A policy's samples and a policy and
