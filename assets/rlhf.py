@@ -79,15 +79,15 @@ def resolve_judge(inputs: RecipeInputs, reference: str) -> CheckpointManifest:
     return manifest
 
 
-def resolve_reference_from(inputs: RecipeInputs, reference: str, judge: CheckpointManifest) -> dict | None:
+def resolve_reference_from(inputs: RecipeInputs, reference: str, judged_by: dict) -> dict | None:
     """The sampler ``judge_reference_from`` names (partition and sampler path), None when empty; refused for a
-    judge that does not answer first, which has no reference slot to fill."""
+    judge that does not answer first (``judged_by``: its :func:`judge_lineage`), which has no reference slot."""
     if not reference.strip():
         return None
-    if not judge_answers_first(judge.related.get("comparisons", {})):
+    if not judged_by["answers_first"]:
         raise dg.Failure(
             f"{RECIPE}_checkpoint: judge_reference_from={reference!r} fills the reference slot of a judge that answers first, "
-            f"but the preference model {judge.partition} was trained without references: train one with reference: chosen, "
+            f"but the preference model {judged_by['partition']} was trained without references: train one with reference: chosen, "
             "or leave judge_reference_from empty"
         )
     try:
@@ -124,7 +124,7 @@ def build_rlhf(inputs: RecipeInputs) -> RecipeRun:
         raise dg.Failure(f"{RECIPE}_checkpoint: env_options {unknown} are unknown; RLHF takes split, num_epochs and system")
     judge = resolve_judge(inputs, config.preference_model)
     judged_by = judge_lineage(judge)
-    reference_from = resolve_reference_from(inputs, config.judge_reference_from, judge)
+    reference_from = resolve_reference_from(inputs, config.judge_reference_from, judged_by)
     tokenizer = load_tokenizer(inputs.base_model)
     asset = config.env
     version = inputs.versions[asset]

@@ -186,7 +186,7 @@ def comparison_items(
     biased = {k: v.position_bias for k, v in zip(keys, verdicts) if v.swapped is not None}
     if biased:
         items[f"{prefix}judge_position_bias"] = biased
-    graded = {k: grade for k, p, mine in zip(keys, prompts, answers) if (grade := p.grade(mine)) is not None}
+    graded = _grades(prompts, keys, answers)
     if graded:
         items[f"{prefix}accuracy"] = graded
         theirs = _grades(prompts, keys, opponent_answers)
@@ -197,6 +197,7 @@ def comparison_items(
 
 
 def _grades(prompts: Sequence[PreferencePrompt], keys: Sequence[str], answers: Sequence[str]) -> dict[str, float]:
+    """The verifier grade of each answer, by item key, where its prompt has a verifier."""
     return {k: grade for k, p, answer in zip(keys, prompts, answers) if (grade := p.grade(answer)) is not None}
 
 
