@@ -9,7 +9,8 @@ stages before it. Not a speed bench: it prints the stage's eval table, as the de
     .venv/bin/python scripts/demo_stage.py rlhf rlhf_checkpoint.kl_penalty_coef=0.05 eval.max_problems=64
     .venv/bin/python scripts/demo_stage.py rlhf --evaluate <partition> [<partition> …]   # (re-)score checkpoints only
 
-A stage chains from the newest checkpoint of the stage before it in ``pipelines/demo.py``. Overrides are
+A stage chains from the newest checkpoint of the stage before it in ``pipelines/demo.py`` (``stage:<name>`` in its
+config: the newest checkpoint that stage trained in this state, e.g. ``sft_parent``, the RLHF set's weak SFT). Overrides are
 ``<op>.<field>=<JSON value>`` on the stage's chain config (``eval.<field>`` on its eval-report config). Prints the
 stage's eval table (final checkpoint: base, parent, checkpoint, Δ vs the parent ± its paired standard error),
 the overrides, the wall time and the load average (trials on a shared machine are slower by that much).
@@ -50,7 +51,7 @@ def main() -> int:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     from pipelines.demo import STAGE_SETS
 
-    stages = {stage.recipe: stage for stage_set in STAGE_SETS.values() for stage in stage_set}
+    stages = {stage.label: stage for stage_set in STAGE_SETS.values() for stage in stage_set}
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stage", choices=sorted(stages))
     parser.add_argument("overrides", nargs="*", help="<op>.<field>=<JSON value> (eval.<field> for the eval report)")
@@ -66,7 +67,7 @@ def main() -> int:
 
     from pipelines.definitions import defs
     from assets.checkpoint_manifest import read_manifest
-    from pipelines.demo import QUIET, StageResult, evaluate_checkpoint, format_stage, run_stage
+    from pipelines.demo import DEMO_STAGE_TAG, QUIET, StageResult, evaluate_checkpoint, format_stage, run_stage, stage_ops
     from resources.state import ensure_dagster_home
 
     stage = stages[args.stage]
@@ -82,12 +83,14 @@ def main() -> int:
             result.seconds = time.monotonic() - started
             print(format_stage(result), flush=True)
         elif args.no_eval or args.train_only:
-            ops = {name: {"config": {**op["config"], **overrides.get(name, {})}} for name, op in stage.run_config.items()}
+            ops = stage_ops(instance, stage, overrides)
             if args.train_only:
                 ops = {name: op for name, op in ops.items() if name == f"{stage.recipe}_checkpoint"}
             job = f"{stage.recipe}_train" if args.train_only else stage.chain_job
-            run = defs.resolve_job_def(job).execute_in_process(instance=instance, run_config={**QUIET, "ops": ops})
-            print(f"== {stage.recipe}: run {run.run_id} success={run.success}", flush=True)
+            run = defs.resolve_job_def(job).execute_in_process(
+                instance=instance, run_config={**QUIET, "ops": ops}, tags={DEMO_STAGE_TAG: stage.label}
+            )
+            print(f"== {stage.label}: run {run.run_id} success={run.success}", flush=True)
         else:
             print(format_stage(run_stage(defs, instance, stage, overrides, evaluate_all=args.all)), flush=True)
     load = ", ".join(f"{value:.1f}" for value in os.getloadavg())

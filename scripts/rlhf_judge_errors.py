@@ -7,7 +7,8 @@ in both orders, and prints the comparison accuracy ± s.e. (n), the accuracy wit
 the position bias, the share of comparisons whose rejected side is malformed (no ``\\boxed`` answer) or empty,
 accuracy on the well-formed ones, and the misjudged comparisons (prompt, chosen, rejected, P(chosen)). A judge
 trained with reference answers writes its own first (as in RLHF); the script then also prints how often its
-answer is the chosen text, and its answer beside each misjudged comparison.
+answer is the chosen text, and its answer beside each misjudged comparison. ``--reference-from PARTITION`` has
+that checkpoint write the reference answers instead, as RLHF's ``judge_reference_from`` does.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("partition", nargs="?", default="", help="preference-model checkpoint partition (default: the newest)")
     parser.add_argument("--show", type=int, default=15, help="misjudged comparisons to print")
+    parser.add_argument("--reference-from", default="", help="checkpoint partition whose greedy answers are the references")
     args = parser.parse_args()
 
     import pyarrow.parquet as pq
@@ -51,14 +53,21 @@ def main() -> int:
     renderer = ComparisonRenderer(get_renderer(manifest.renderer or "chatml", load_tokenizer(manifest.base_model)))
     client = TinkerResource().get_client()
     answers_first = judge_answers_first(manifest.related["comparisons"])
-    judge = PreferenceModel(client.create_sampling_client(model_path=manifest.sampler_path).result(), renderer, answers_first=answers_first)
+    answerer = None
+    if args.reference_from:
+        if not answers_first:
+            parser.error(f"--reference-from: {manifest.partition} was trained without reference answers; it reads none")
+        answerer = client.create_sampling_client(model_path=read_manifest(args.reference_from).sampler_path).result()
+    judge = PreferenceModel(client.create_sampling_client(model_path=manifest.sampler_path).result(), renderer,
+                            answers_first=answers_first, answerer=answerer)
     verdicts = judge.judge(comparisons)
     own = [judge.own_answer(c.prompt) for c in comparisons]
     correct = [verdict_correct(v.first_wins) for v in verdicts]
     chosen_first = [verdict_correct((1.0 - v.forward.score) / 2) for v in verdicts]
     chosen_second = [verdict_correct((1.0 + v.swapped.score) / 2) for v in verdicts if v.swapped]
     formed = [extract_answer(c.completion_b[0]["content"]) is not None for c in comparisons]
-    print(f"{manifest.partition} on {len(comparisons)} held-out {asset} comparisons")
+    references = f", references by {args.reference_from}" if args.reference_from else ""
+    print(f"{manifest.partition} on {len(comparisons)} held-out {asset} comparisons{references}")
     for name, values in (("comparison_accuracy", correct), ("accuracy_chosen_first", chosen_first),
                          ("accuracy_chosen_second", chosen_second), ("position_bias", [v.position_bias for v in verdicts]),
                          ("rejected_has_answer", [float(f) for f in formed]),
