@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-steps", type=int, default=0, help="training steps of every stage (default: each stage's, in pipelines/demo.py)")
     demo.add_argument("--final-only", action="store_true", help="evaluate only the final checkpoint")
     demo.add_argument("--stages", choices=("default", "rlhf"), default="default",
-                      help="default: SFT → DPO → RL; rlhf: SFT → preference model → RLHF (longer than `make demo`)")
+                      help="default: SFT → DPO → RL; rlhf: SFT, a weak SFT parent → preference model → RLHF (about an hour on 2 cores)")
     ui = commands.add_parser("ui", help="serve the Dagster UI (:3000) and the MLflow UI (:5000) on loopback")
     ui.add_argument("--dagster-port", type=int, default=3000)
     ui.add_argument("--mlflow-port", type=int, default=5000)

@@ -36,8 +36,13 @@ def test_every_stage_reference_of_the_rlhf_set_names_an_earlier_stage_of_the_set
         earlier.append(stage.label)
     labels = [stage.label for stage in STAGE_SETS["rlhf"]]
     assert len(set(labels)) == len(labels)  # a stage name names one stage
+    # RLHF refines the weak parent; the judge learns from the weak parent's answers, starts from the strong SFT,
+    # which also writes its references.
     rlhf = STAGE_SETS["rlhf"][-1].run_config["rlhf_checkpoint"]["config"]
     assert (rlhf["init_from"], rlhf["judge_reference_from"]) == ("stage:sft_parent", "stage:sft")
+    judge = STAGE_SETS["rlhf"][-2].run_config
+    assert judge["onpolicy_comparisons"]["config"]["sampler"] == "stage:sft_parent"
+    assert judge["preference_model_checkpoint"]["config"]["init_from"] == "stage:sft"
 
 
 def test_a_stage_reference_resolves_to_the_final_checkpoint_of_that_stages_newest_run(sft_pipeline_run):
