@@ -68,8 +68,9 @@ class DemoStage:
 
 def stage_checkpoint(instance: dg.DagsterInstance, name: str) -> str:
     """The final checkpoint partition of the newest chain run of the demo stage ``name`` in this state."""
+    manifests = all_manifests()
     for run in instance.get_runs(filters=dg.RunsFilter(tags={DEMO_STAGE_TAG: name})):  # newest first
-        trained = [manifest for manifest in all_manifests() if manifest.training_dagster_run_id == run.run_id]
+        trained = [manifest for manifest in manifests if manifest.training_dagster_run_id == run.run_id]
         if trained:
             return max(trained, key=lambda manifest: manifest.step).partition
     raise LookupError(
