@@ -213,6 +213,58 @@ def our_grpo_step(engine, model_id: str, prompts: np.ndarray, samples: int, new_
     our_step(engine, model_id, data, "importance_sampling")
 
 
+def compare_training_layers(key: str, engine, name: str, model_id: str, data, repeats: int,
+                            precision_shape: dict | None = None) -> None:
+    """Whether the step ran the written-out (and compiled) layers (packed_layers.py), and, in the same process,
+    the step through transformers' layers and the largest logprob gap between the two on the same data; with
+    ``precision_shape``, each one's gap to the same model and adapter in float32 (``--precision``)."""
+    from localtinker.engine.packed_layers import PackedLayers
+
+    layers = PackedLayers.for_model(engine._hosts[name].base.model) if engine.train_layers else None
+    say(f"{key}.ours.train_layers", float(layers is not None))
+    if layers is None:
+        return
+    say(f"{key}.ours.train_layers_compiled", float(layers.compiled))
+    if layers.compile_error:
+        print(f"  {key}: training layers not compiled: {layers.compile_error}", flush=True)
+    logprobs = lambda: np.concatenate([o["logprobs"] for o in  # noqa: E731
+                                       engine.forward_backward(model_id, data[:2], "cross_entropy", None, True).loss_fn_outputs])
+    ours = logprobs()
+    engine.train_layers = False
+    try:
+        theirs = logprobs()
+        say(f"{key}.layers_logprob_max_gap", float(np.abs(ours - theirs).max()))
+        say(f"{key}.layers_logprob_mean_gap", float(np.abs(ours - theirs).mean()))
+        if precision_shape is not None:
+            exact = float32_logprobs(precision_shape, engine.lora_weights(model_id), data[:2])
+            for label, values in (("layers", ours), ("transformers_layers", theirs)):
+                say(f"{key}.{label}_vs_float32_mean_gap", float(np.abs(values - exact).mean()))
+                say(f"{key}.{label}_vs_float32_max_gap", float(np.abs(values - exact).max()))
+        say(f"{key}.ours_transformers_layers.sft_s", timed(lambda: our_step(engine, model_id, data), repeats), " s")
+    finally:
+        engine.train_layers = True
+
+
+def float32_logprobs(shape: dict, lora: dict[str, torch.Tensor], data) -> np.ndarray:
+    """The same random weights (build_model's seed) and adapter in float32 through transformers' layers: the
+    exact values both bf16 paths approximate."""
+    from localtinker.engine.api import LoraSpec
+    from localtinker.engine.engine import LocalEngine
+
+    engine = LocalEngine(Path(tempfile.mkdtemp(prefix="bench-f32-")), dtype="float32", device=DEVICE, portable=True,
+                         train_layers=False)
+    engine.add_base_model("float32", build_model(shape).float())
+    engine.create_model("float32:m", "float32", LoraSpec(rank=RANK, seed=0, train_unembed=False))
+    engine._hosts["float32"].adapters.import_weights(engine._models["float32:m"].adapter, lora)
+    outputs = engine.forward_backward("float32:m", data, "cross_entropy", None, True).loss_fn_outputs
+    engine.unload_model("float32:m")
+    engine._hosts.clear()
+    gc.collect()
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
+    return np.concatenate([o["logprobs"] for o in outputs])
+
+
 # ----- one model ---------------------------------------------------------------------------------------------
 
 
@@ -231,7 +283,8 @@ def profile_ours(run: Callable[[], object], label: str) -> None:
     print(events.table(sort_by="cpu_time_total", row_limit=8, max_name_column_width=48), flush=True)
 
 
-def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | None, profile: bool = False) -> None:
+def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | None, profile: bool = False,
+                precision: bool = False) -> None:
     from localtinker.engine.api import LoraSpec
     from localtinker.engine.static_decode import pooled_decoders
 
@@ -313,6 +366,7 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
         say(f"{key}.sft_ratio", hf_sft / ours_sft, "x")
     tokens = sft_rows * sft_length
     say(f"{key}.ours.sft_tok_s", tokens / ours_sft, " tok/s")
+    compare_training_layers(key, engine, name, model_id, sft_data, repeats, shape if precision else None)
     if flops_peak:
         say(f"{key}.ours.mfu_6N", 6 * params * tokens / ours_sft / flops_peak)
         if hf_sft:
@@ -374,6 +428,8 @@ def main() -> int:
     parser.add_argument("--models", default="1b,0.6b,8b")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--profile", action="store_true", help="also profile our 1B SFT step and a sampling call")
+    parser.add_argument("--precision", action="store_true",
+                        help="also each training path's logprob gap to the same model in float32")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks this script, measures nothing")
     args = parser.parse_args()
     global DEVICE
@@ -389,10 +445,14 @@ def main() -> int:
     print(f"bench_gpu on {card}: peak bf16 {flops_peak and flops_peak / 1e12} TFLOP/s, bandwidth "
           f"{bandwidth and bandwidth / 1e12} TB/s (data sheet); torch {torch.__version__}", flush=True)
     results["card"] = card
-    engine = LocalEngine(Path(tempfile.mkdtemp(prefix="bench-gpu-")), dtype="bfloat16", device=DEVICE, portable=True)
+    from localtinker.engine.packed_layers import LAYERS_ENV
+
+    # the written-out training layers (packed_layers.py) unless LOCALTINKER_TRAIN_LAYERS=0, in --smoke too
+    engine = LocalEngine(Path(tempfile.mkdtemp(prefix="bench-gpu-")), dtype="bfloat16", device=DEVICE, portable=True,
+                         train_layers=os.environ.get(LAYERS_ENV) != "0")
     for key in args.models.split(","):
         try:
-            bench_model(key, engine, flops_peak, bandwidth, args.profile)
+            bench_model(key, engine, flops_peak, bandwidth, args.profile, args.precision)
         except Exception as error:  # noqa: BLE001 - report what failed and go on with the next shape
             print(f"  {key}: FAILED {type(error).__name__}: {error}", flush=True)
             results[f"{key}.error"] = f"{type(error).__name__}: {error}"

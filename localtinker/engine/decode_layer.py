@@ -87,13 +87,26 @@ def pieces(compiled: bool) -> tuple[Callable, ...]:
     which layer or model calls them)."""
     if not compiled:
         return PIECES
+    allow_recompiles()
     return tuple(_compiled.setdefault(fn, torch.compile(fn, fullgraph=True)) for fn in PIECES)
 
 
-def compile_by_default(device: torch.device) -> tuple[bool, str | None]:
-    """(whether to compile, why not): on CUDA with Triton importable, unless ``LOCALTINKER_DECODE_COMPILE=0``."""
-    if os.environ.get(COMPILE_ENV) == "0":
-        return False, f"{COMPILE_ENV}=0"
+def allow_recompiles(limit: int = 64) -> None:
+    """Raises dynamo's per-function graph limit (8): a piece gets a graph per model shape, grad mode and
+    input that requires grad or not, and one process may serve several base models; past the limit dynamo
+    silently runs the piece uncompiled."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name) and getattr(config, name) < limit:
+            setattr(config, name, limit)
+            return
+
+
+def compile_by_default(device: torch.device, env: str = COMPILE_ENV) -> tuple[bool, str | None]:
+    """(whether to compile, why not): on CUDA with Triton importable, unless ``$env`` is ``0``
+    (``LOCALTINKER_DECODE_COMPILE`` for the decode step)."""
+    if os.environ.get(env) == "0":
+        return False, f"{env}=0"
     if device.type != "cuda":
         return False, f"not compiled on {device.type}"
     if importlib.util.find_spec("triton") is None:

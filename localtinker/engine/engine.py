@@ -57,6 +57,7 @@ from localtinker.engine.losses import LOSSES, gradient_tokens, resolve_loss_conf
 from localtinker.engine.models import DTYPES, TINY_RANDOM_NAME, BaseModel, load_base_model, portable_base_model
 from localtinker.engine.optimizer import AdamState, adamw_step, validate_adam
 from localtinker.engine.packaged import SMOLLM2_NAME
+from localtinker.engine.packed_layers import PackedLayers, layers_by_default
 from localtinker.engine.packed_rows import device_microbatch_tokens, packed_token_rows
 from localtinker.engine.packed_training import pack_for_training
 from localtinker.engine.peft_export import CheckpointFiles, external_weights_files, save_external_weights
@@ -135,13 +136,15 @@ class _Host:
 class LocalEngine:
     def __init__(self, storage_dir: Path, dtype: str = "float32", num_threads: int | None = None,
                  device: str | torch.device = "cpu", portable: bool | None = None,
-                 static_decode: bool | None = None) -> None:
+                 static_decode: bool | None = None, train_layers: bool | None = None) -> None:
         """``num_threads`` sets torch's (process-wide) intra-op threads; None keeps torch's default. On a
         2-core machine shared with other busy processes, 1 thread is several times faster than 2.
         ``device``: ``cpu``, ``cuda[:N]`` or ``auto`` (device.py). ``portable``: None = the portable path off
         the CPU and for models the CPU kernels do not cover; True = always (the CUDA path's code on the CPU).
         ``static_decode``: the portable sampler decodes over a preallocated cache (static_decode.py; CUDA graphs
-        on a GPU); None = on CUDA devices only."""
+        on a GPU); None = on CUDA devices only. ``train_layers``: the portable trainer runs the Llama-shaped
+        families' layers as written-out pieces (packed_layers.py; compiled on a GPU); None = on CUDA devices
+        unless ``LOCALTINKER_TRAIN_LAYERS=0``."""
         from localtinker.engine.device import resolve_device
 
         if dtype not in DTYPES:
@@ -149,6 +152,7 @@ class LocalEngine:
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
         self.portable = True if self.device.type != "cpu" else portable
         self.static_decode = self.device.type == "cuda" if static_decode is None else static_decode
+        self.train_layers = layers_by_default(self.device) if train_layers is None else train_layers
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         if self.device.type == "cpu":
@@ -278,9 +282,10 @@ class LocalEngine:
                   if device.type != "cpu" else TRAIN_MICROBATCH_TOKENS)
         lm_head, softcap = causal_lm.get_output_embeddings(), final_softcap(causal_lm.config)
         tokens, targets = [d.tokens for d in datums], [d.targets for d in datums]
+        layers = PackedLayers.for_model(causal_lm) if self.train_layers else None
 
         def batches() -> Iterator[LogprobBatch]:
-            for rows in packed_token_rows(causal_lm.get_decoder(), tokens, targets, budget, device):
+            for rows in packed_token_rows(causal_lm.get_decoder(), tokens, targets, budget, device, layers):
                 logprobs = chunked_token_logprobs(rows.hidden, lm_head, rows.targets, softcap)
                 yield LogprobBatch(rows.datum_rows, logprobs, torch.ones_like(rows.targets, dtype=torch.bool))
 

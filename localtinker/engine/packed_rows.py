@@ -9,11 +9,15 @@ so chat-like batches of 20- and 500-token rows cost their real tokens only.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from localtinker.engine.portable_attention import varlen_available, varlen_rows
 from localtinker.engine.prefix_sharing import TokenRows
+
+if TYPE_CHECKING:
+    from localtinker.engine.packed_layers import PackedLayers
 
 
 # Bytes of activations a packed token keeps for the backward, per layer: ~24 hidden-sized and ~8
@@ -66,26 +70,29 @@ def takes_varlen(decoder: torch.nn.Module, device: torch.device) -> bool:
 
 def packed_token_rows(
     decoder: torch.nn.Module, tokens: list[torch.Tensor], targets: list[torch.Tensor], budget: int,
-    device: torch.device,
+    device: torch.device, layers: PackedLayers | None = None,
 ) -> Iterator[TokenRows]:
-    """Hidden states of every datum position, one packed micro-batch at a time (rows in datum order)."""
+    """Hidden states of every datum position, one packed micro-batch at a time (rows in datum order); through
+    ``layers`` (packed_layers.py) where given and it computes the active adapter, else transformers' layers."""
     for indices in packed_microbatches([t.shape[0] for t in tokens], budget):
-        yield packed_rows(decoder, indices, tokens, targets, device)
+        yield packed_rows(decoder, indices, tokens, targets, device, layers)
 
 
 def packed_rows(decoder: torch.nn.Module, indices: list[int], tokens: list[torch.Tensor],
-                targets: list[torch.Tensor], device: torch.device) -> TokenRows:
+                targets: list[torch.Tensor], device: torch.device, layers: PackedLayers | None = None) -> TokenRows:
     lengths = [tokens[i].shape[0] for i in indices]
     input_ids = torch.cat([tokens[i] for i in indices]).to(device, non_blocking=True)
     position_ids = torch.cat([torch.arange(n) for n in lengths]).to(device, non_blocking=True)
     bounds = torch.tensor([0, *lengths]).cumsum(0)
     cu_seq_lens = bounds.to(device=device, dtype=torch.int32, non_blocking=True)
     longest = max(lengths)
-    with varlen_rows(takes_varlen(decoder, device)):
-        hidden = decoder(
-            input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
-            cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=longest, max_length_k=longest,
-        ).last_hidden_state[0]
+    hidden = None if layers is None else layers.hidden(input_ids, position_ids, cu_seq_lens, lengths)
+    if hidden is None:
+        with varlen_rows(takes_varlen(decoder, device)):
+            hidden = decoder(
+                input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
+                cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=longest, max_length_k=longest,
+            ).last_hidden_state[0]
     datum_rows = {
         index: torch.arange(int(bounds[k]), int(bounds[k + 1]), device=device) for k, index in enumerate(indices)
     }

@@ -110,12 +110,20 @@ def _varlen_function() -> tuple[Any, bool, bool] | None:
 
 def _varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
     """Packed rows [1, heads, tokens, d] through the flash varlen kernel; returns [1, tokens, heads, d]."""
-    function, takes_window, takes_gqa = _varlen_function()
-    heads, key_heads = query.shape[1], key.shape[1]
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, d]
+    cu = kwargs["cu_seq_lens_q"]
+    longest = int(kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max()))
+    return _varlen_core(q, k, v, cu, longest, kwargs.get("scaling"), kwargs.get("sliding_window"))[None]
+
+
+def _varlen_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
+                 scaling: float | None, window: int | None) -> torch.Tensor:
+    """Causal attention of packed rows q [tokens, heads, d], k/v [tokens, kv heads, d] (bounds ``cu``) through
+    the flash varlen kernel; returns [tokens, heads, d]."""
+    function, takes_window, takes_gqa = _varlen_function()
+    heads, key_heads = q.shape[1], k.shape[1]
     if heads != key_heads and not takes_gqa:
         k, v = k.repeat_interleave(heads // key_heads, dim=1), v.repeat_interleave(heads // key_heads, dim=1)
-    window = kwargs.get("sliding_window")
     options: dict[str, Any] = {}
     if takes_window:
         options["window_size"] = (window - 1 if window else -1, 0)
@@ -125,13 +133,31 @@ def _varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         options["is_causal"] = True
     if takes_gqa and heads != key_heads:
         options["enable_gqa"] = True
-    scaling = kwargs.get("scaling")
     if scaling is not None:
         if "scale" in inspect.signature(function).parameters:
             options["scale"] = scaling
         else:  # the kernel's own scale is d^-0.5
             q = q * (scaling * q.shape[-1] ** 0.5)
-    cu = kwargs["cu_seq_lens_q"]
-    longest = int(kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max()))
-    output = function(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest, **options)
-    return output[None]
+    return function(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest, **options)
+
+
+def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
+                            lengths: list[int], scaling: float) -> torch.Tensor:
+    """Causal attention of packed rows, each datum attending to itself only: q [tokens, heads, d], k and v
+    [tokens, kv heads, d]; ``cu_seq_lens`` the rows' bounds on the device, ``lengths`` on the host. Returns
+    [tokens, heads, d]. The flash varlen kernel on CUDA in bf16/fp16 (packed_layers.py's path); elsewhere one
+    causal sdpa per datum, the same function."""
+    if varlen_available(q.device) and q.dtype in (torch.bfloat16, torch.float16):
+        return _varlen_core(q, k, v, cu_seq_lens, max(lengths), scaling, None)
+    group = q.shape[1] // k.shape[1]
+    outputs, start = [], 0
+    for length in lengths:
+        rows = slice(start, start + length)
+        start += length
+        keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+        if group > 1:
+            keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
+        out = torch.nn.functional.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys[None], values[None],
+                                                               is_causal=True, scale=scaling)
+        outputs.append(out[0].transpose(0, 1))
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]

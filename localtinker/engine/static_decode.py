@@ -66,14 +66,14 @@ def static_decode_supported(model: torch.nn.Module) -> bool:
         attention, mlp = layer.self_attn, layer.mlp
         groups += [[attention.q_proj, attention.k_proj, attention.v_proj], [attention.o_proj],
                    [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]]
-    return all(_plain([_base(module) for module in group]) for group in groups)
+    return all(_plain([frozen_layer(module) for module in group]) for group in groups)
 
 
 def bucket(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
 
-def _base(module: torch.nn.Module) -> torch.nn.Module:
+def frozen_layer(module: torch.nn.Module) -> torch.nn.Module:
     """The frozen layer under peft's LoRA wrapper (or the layer itself)."""
     return getattr(module, "base_layer", module)
 
@@ -92,7 +92,7 @@ class _Projection:
     rounded to the compute dtype in buffers of fixed address."""
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self.module, self.base = module, _base(module)
+        self.module, self.base = module, frozen_layer(module)
         self.a: torch.Tensor | None = None
         self.b_t: torch.Tensor | None = None
 
@@ -131,9 +131,9 @@ class _SharedInput:
 
     def __init__(self, modules: list[torch.nn.Module]) -> None:
         self.modules = modules
-        bases = [_base(module) for module in modules]
+        bases = [frozen_layer(module) for module in modules]
         self.sizes = [base.weight.shape[0] for base in bases]
-        self.weight, self.bias = _concatenated(bases)
+        self.weight, self.bias = shared_weights(bases)
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
 
@@ -168,7 +168,7 @@ _CONCATENATED = "_localtinker_concatenated"  # on the first base layer: (weight,
 
 def _plain(bases: list[torch.nn.Module]) -> bool:
     """Whether ``bases`` are plain ``Linear`` layers of one layout (one input size, dtype, device; biases on
-    all or none), which :func:`_concatenated` can hold."""
+    all or none), which :func:`shared_weights` can hold."""
     if not all(type(base) is torch.nn.Linear for base in bases):
         return False
     first = bases[0].weight
@@ -177,9 +177,11 @@ def _plain(bases: list[torch.nn.Module]) -> bool:
             and len({b.bias is None for b in bases}) == 1)
 
 
-def _concatenated(bases: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def shared_weights(bases: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One tensor holding ``bases``' weights (and biases) row after row, each base's own parameter then a
-    view of its rows."""
+    view of its rows (a single base: its own weight and bias)."""
+    if len(bases) == 1:
+        return bases[0].weight, bases[0].bias
     weights = [base.weight for base in bases]
     biases = [base.bias for base in bases]
     kept = bases[0].__dict__.get(_CONCATENATED)

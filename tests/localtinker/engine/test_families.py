@@ -21,13 +21,15 @@ MOE_LORA = LoraSpec(rank=4, seed=0, train_mlp=False)  # fused experts take no Lo
 TOLERANCE = 1e-5  # float32
 
 
-@pytest.fixture(scope="module", params=["default", "portable", "static-decode"])
+@pytest.fixture(scope="module", params=["default", "portable", "cuda-path"])
 def engine(request, tmp_path_factory) -> LocalEngine:
-    """The CPU's default path, the portable path, and the portable path decoding over the static cache (the
-    GPU's sampler, static_decode.py, run eagerly)."""
+    """The CPU's default path, the portable path with transformers' layers, and the portable path as a GPU runs
+    it, uncompiled: training through the written-out layers (packed_layers.py), decoding over the static cache
+    (static_decode.py)."""
     portable = True if request.param != "default" else None
+    gpu_like = request.param == "cuda-path"
     return LocalEngine(tmp_path_factory.mktemp(f"families-{request.param}"), dtype="float32", portable=portable,
-                       static_decode=request.param == "static-decode")
+                       static_decode=gpu_like, train_layers=gpu_like)
 
 
 def _datum(tokens: np.ndarray) -> DatumArrays:

@@ -61,7 +61,7 @@ def test_old_checkpoints_without_per_tensor_steps_count_the_global_step():
 
 def test_foreach_update_equals_the_loop():
     """The GPU path's multi-tensor AdamW (``foreach=True``) is the loop's arithmetic, tensor for tensor,
-    including per-tensor step counts (one tensor skips a step) and weight decay."""
+    including per-tensor step counts (one tensor skips a step) and weight decay; its gradient norm too."""
     generator = torch.Generator().manual_seed(0)
     shapes = {"a": (3, 4), "b": (5,), "c": (2, 2)}
     weights = {key: torch.randn(shape, generator=generator) for key, shape in shapes.items()}
@@ -82,3 +82,4 @@ def test_foreach_update_equals_the_loop():
     assert multi_state.param_steps == loop_state.param_steps == {"a": 3, "b": 2, "c": 3}
     for a, b in zip(multi_metrics, loop_metrics):
         assert a["update_norm"] == pytest.approx(b["update_norm"], rel=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)  # one multi-tensor norm kernel

@@ -1,0 +1,269 @@
+"""The portable trainer's decoder forward for the Llama-shaped families, as decode_layer.py's pieces with autograd.
+
+transformers' decoder layer takes a LoRA training step through several hundred small kernels per layer:
+float32 norm statistics op by op, the rotation, one product per projection and per LoRA factor, a cast of each
+factor on every call. On a GPU the 1B shape's step was bound by those launches, not by its products
+(docs/localtinker-gpu.md). Here a packed micro-batch (packed_rows.py) runs the same pure functions as the
+static decoder instead: q/k/v and gate/up as one product each over the weight views the modules share
+(static_decode.py), the adapter's float32 factors stacked, scaled and cast inside the piece (so their gradients
+reach the float32 parameters, as in lora.py's fused forward), the residuals added inside the products. On CUDA
+with Triton the two pieces go through ``torch.compile``, dynamic in the token count, so one graph per model serves
+every micro-batch and each run of elementwise work becomes one kernel. Attention runs between the pieces: flash
+varlen over the packed rows on CUDA in bf16/fp16, one causal sdpa per datum elsewhere.
+
+Taken where static decode is (Llama, Qwen2, Qwen3, Mistral without sliding windows) and the active adapter is
+plain (lora.py); anything else runs transformers' layers. ``LOCALTINKER_TRAIN_LAYERS=0`` turns this path off,
+``LOCALTINKER_TRAIN_COMPILE=0`` keeps it uncompiled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+
+from localtinker.engine.decode_layer import allow_recompiles, compile_by_default, post_attention, pre_attention
+from localtinker.engine.families import text_config
+from localtinker.engine.portable_attention import packed_causal_attention
+from localtinker.engine.static_decode import frozen_layer, shared_weights, static_decode_supported
+
+LAYERS_ENV = "LOCALTINKER_TRAIN_LAYERS"  # "0": the trainer runs transformers' layers
+COMPILE_ENV = "LOCALTINKER_TRAIN_COMPILE"  # "0": the pieces run uncompiled
+_KEPT = "_localtinker_packed_layers"  # on the causal LM: its PackedLayers, built once
+_PROBE_TOKENS = 8
+logger = logging.getLogger("localtinker.engine")
+
+# A group's adapter: the A factors, the B factors and the scalings of its projections (each tuple empty when
+# the group is not adapted).
+Factors = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[float, ...]]
+_NO_FACTORS: Factors = ((), (), ())
+
+
+def layers_by_default(device: torch.device) -> bool:
+    """The written-out layers on CUDA devices, unless ``LOCALTINKER_TRAIN_LAYERS=0``."""
+    return device.type == "cuda" and os.environ.get(LAYERS_ENV) != "0"
+
+
+def _lora(dtype: torch.dtype, factors: Factors) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A stacked and (s·B)ᵀ block-diagonal, in ``dtype``: one product each for the whole group."""
+    a_parts, b_parts, scales = factors
+    if not a_parts:
+        return None, None
+    a = torch.cat(a_parts).to(dtype) if len(a_parts) > 1 else a_parts[0].to(dtype)
+    scaled = [(b * s).t() for b, s in zip(b_parts, scales)]
+    b_t = torch.block_diag(*scaled) if len(scaled) > 1 else scaled[0]
+    return a, b_t.to(dtype)
+
+
+def train_pre_attention(x: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        factors: Factors, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                        cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, eps: float,
+                        qk_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q ``[tokens, heads, dim]``, k and v ``[tokens, kv heads, dim]`` of a layer's normed input, rotated."""
+    q, k, v = pre_attention(x, norm, (weight, bias, *_lora(x.dtype, factors)), q_norm, k_norm, cos, sin, heads,
+                            kv_heads, eps, qk_eps)
+    return q.reshape(q.shape[0], heads, q.shape[-1]), k, v
+
+
+def train_post_attention(out: torch.Tensor, x: torch.Tensor, o_proj: tuple, o_factors: Factors, norm: torch.Tensor,
+                         gate_up: tuple, gate_up_factors: Factors, down: tuple, down_factors: Factors,
+                         eps: float) -> torch.Tensor:
+    """o_proj onto the residual stream, then the MLP (decode_layer.post_attention); projections are
+    ``(weight, bias)``."""
+    dtype = x.dtype
+    return post_attention(out, x, (*o_proj, *_lora(dtype, o_factors)), norm, (*gate_up, *_lora(dtype, gate_up_factors)),
+                          (*down, *_lora(dtype, down_factors)), eps)
+
+
+PIECES = (train_pre_attention, train_post_attention)
+_compiled: dict[Callable, Callable] = {}
+
+
+def pieces(compiled: bool) -> tuple[Callable, ...]:
+    """The two pieces, compiled once per process when asked (dynamic in the token count: tensors' first
+    dimension is marked dynamic on every call)."""
+    if not compiled:
+        return PIECES
+    allow_recompiles()
+    return tuple(_compiled.setdefault(fn, torch.compile(fn, fullgraph=True)) for fn in PIECES)
+
+
+def _active_factors(modules: Sequence[torch.nn.Module]) -> Factors | None:
+    """The active adapter's factors on ``modules`` (one group), ``_NO_FACTORS`` where none adapts them, None
+    where this path cannot compute them (several active adapters, dropout, a variant, merged weights, or an
+    adapter on some of the group only): transformers' layers then run."""
+    found = []
+    for module in modules:
+        lora_a = getattr(module, "lora_A", None)
+        active = [] if lora_a is None or module.disable_adapters else [
+            name for name in module.active_adapters if name in lora_a]
+        if not active:
+            found.append(None)
+            continue
+        name = active[0]
+        if (len(active) != 1 or module.merged or name in getattr(module, "lora_variant", {})
+                or not isinstance(module.lora_dropout[name], torch.nn.Identity)):
+            return None
+        found.append((lora_a[name].weight, module.lora_B[name].weight, float(module.scaling[name])))
+    if all(f is None for f in found):
+        return _NO_FACTORS
+    if any(f is None for f in found):
+        return None
+    a_parts, b_parts, scales = zip(*found)
+    return tuple(a_parts), tuple(b_parts), tuple(scales)
+
+
+def _mark_tokens_dynamic(*tensors: torch.Tensor | None) -> None:
+    for tensor in tensors:
+        if tensor is not None:
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+
+
+class PackedLayers:
+    """One base model's decoder forward over packed rows (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, compiled: bool | None = None) -> None:
+        decoder = model.get_decoder()
+        self.embed, self.norm, self.rotary = decoder.embed_tokens, decoder.norm, decoder.rotary_emb
+        self.layers = list(decoder.layers)
+        config = text_config(model.config)
+        attention = self.layers[0].self_attn
+        self.head_dim = int(attention.head_dim)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.scale = float(attention.scaling)
+        self.eps = float(self.layers[0].input_layernorm.variance_epsilon)
+        self.qk_eps = float(attention.q_norm.variance_epsilon) if hasattr(attention, "q_norm") else self.eps
+        self.device = self.embed.weight.device
+        by_default, why_not = compile_by_default(self.device, COMPILE_ENV)
+        self.compiled = by_default if compiled is None else compiled
+        self.compile_error: str | None = None if self.compiled else why_not
+        self._pieces = pieces(self.compiled)
+        self._probed = not self.compiled
+        # each layer's projection groups: one product per group (q/k/v and gate/up over shared weights)
+        self._groups = [
+            {"qkv": [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+             "o_proj": [layer.self_attn.o_proj], "gate_up": [layer.mlp.gate_proj, layer.mlp.up_proj],
+             "down": [layer.mlp.down_proj]}
+            for layer in self.layers
+        ]
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> PackedLayers | None:
+        """The model's PackedLayers (built once), or None where its family is not written out here."""
+        kept = model.__dict__.get(_KEPT)
+        if kept is None:
+            if not static_decode_supported(model):
+                return None
+            kept = model.__dict__[_KEPT] = cls(model)
+        return kept
+
+    def _layer_parts(self) -> list[tuple] | None:
+        """Each layer's tensors for the pieces, with the active adapter's factors; None where some group's
+        adapter is not plain."""
+        parts = []
+        for layer, groups in zip(self.layers, self._groups):
+            factors = {name: _active_factors(modules) for name, modules in groups.items()}
+            if any(f is None for f in factors.values()):
+                return None
+            # (weight, bias) of each group; q/k/v and gate/up as views of one tensor (kept once made)
+            bases = {name: shared_weights([frozen_layer(m) for m in modules]) for name, modules in groups.items()}
+            q_norm, k_norm = getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)
+            parts.append((layer.input_layernorm.weight, bases["qkv"], factors["qkv"],
+                          None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                          bases["o_proj"], factors["o_proj"], layer.post_attention_layernorm.weight,
+                          bases["gate_up"], factors["gate_up"], bases["down"], factors["down"]))
+        return parts
+
+    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seq_lens: torch.Tensor,
+               lengths: list[int]) -> torch.Tensor | None:
+        """The final-normed hidden states ``[tokens, hidden]`` of packed rows (each datum at positions 0, 1, ...,
+        ``cu_seq_lens`` their bounds on the device, ``lengths`` on the host); None where the active adapter
+        is not one this path computes (the caller then runs transformers' layers)."""
+        parts = self._layer_parts()
+        if parts is None:
+            return None
+        if not self._probed:
+            self._probe(parts)
+        try:
+            return self._forward(parts, input_ids, position_ids, cu_seq_lens, lengths)
+        except Exception as error:  # noqa: BLE001 - a compiler failure: say why once, run uncompiled
+            if not self.compiled or isinstance(error, (ValueError, torch.OutOfMemoryError)):
+                raise
+            self._uncompile(error)
+            return self._forward(parts, input_ids, position_ids, cu_seq_lens, lengths)
+
+    def _forward(self, parts: list[tuple], input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 cu_seq_lens: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        pre, post = self._pieces
+        x = self.embed(input_ids)
+        cos, sin = self.rotary(x[None], position_ids[None])
+        cos, sin = cos[0][:, None], sin[0][:, None]  # [tokens, 1, dim]
+        if self.compiled:
+            _mark_tokens_dynamic(x, cos, sin)
+        for (norm, qkv, qkv_factors, q_norm, k_norm, o_proj, o_factors, post_norm, gate_up, gate_up_factors, down,
+             down_factors) in parts:
+            q, k, v = pre(x, norm, *qkv, qkv_factors, q_norm, k_norm, cos, sin, self.heads, self.kv_heads, self.eps,
+                          self.qk_eps)
+            out = packed_causal_attention(q, k, v, cu_seq_lens, lengths, self.scale)
+            out = out.reshape(out.shape[0], self.heads * self.head_dim)
+            if self.compiled:
+                _mark_tokens_dynamic(out, x)
+            x = post(out, x, o_proj, o_factors, post_norm, gate_up, gate_up_factors, down, down_factors, self.eps)
+        return self.norm(x)
+
+    def _probe(self, parts: list[tuple]) -> None:
+        """Compiles the pieces once, forward and backward, on a few tokens through the first layer's weights
+        (the backward is compiled at its first call, where a failure could not fall back): a compiler that
+        fails here leaves the path uncompiled, with the reason in ``compile_error``."""
+        self._probed = True
+        started = time.perf_counter()
+        (norm, qkv, qkv_factors, q_norm, k_norm, o_proj, o_factors, post_norm, gate_up, gate_up_factors, down,
+         down_factors) = parts[0]
+        pre, post = self._pieces
+        tokens = _PROBE_TOKENS
+        factors = [t for f in (qkv_factors, o_factors, gate_up_factors, down_factors) for t in (*f[0], *f[1])]
+        kept_grads = [t.grad for t in factors]  # a step's gradients accumulated so far stay as they are
+        for tensor in factors:
+            tensor.grad = None  # (the backward would add into them in place)
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                x = torch.randn((tokens, self.embed.weight.shape[1]), device=self.device, dtype=self.embed.weight.dtype,
+                                requires_grad=True)
+                positions = torch.arange(tokens, device=self.device)
+                cos, sin = self.rotary(x[None], positions[None])
+                cos, sin = cos[0][:, None], sin[0][:, None]
+                _mark_tokens_dynamic(x, cos, sin)
+                q, k, v = pre(x, norm, *qkv, qkv_factors, q_norm, k_norm, cos, sin, self.heads, self.kv_heads,
+                              self.eps, self.qk_eps)
+                cu = torch.tensor([0, tokens], device=self.device, dtype=torch.int32)
+                out = packed_causal_attention(q, k, v, cu, [tokens], self.scale)
+                out = out.reshape(tokens, self.heads * self.head_dim)
+                _mark_tokens_dynamic(out, x)
+                y = post(out, x, o_proj, o_factors, post_norm, gate_up, gate_up_factors, down, down_factors, self.eps)
+                y.float().square().mean().backward()
+            with torch.inference_mode():
+                q, k, v = pre(x.detach(), norm, *qkv, qkv_factors, q_norm, k_norm, cos, sin, self.heads,
+                              self.kv_heads, self.eps, self.qk_eps)
+                out = packed_causal_attention(q, k, v, cu, [tokens], self.scale).reshape(tokens, -1)
+                post(out, x.detach(), o_proj, o_factors, post_norm, gate_up, gate_up_factors, down, down_factors,
+                     self.eps)
+        except Exception as error:  # noqa: BLE001 - any compiler failure
+            if isinstance(error, torch.OutOfMemoryError):
+                raise
+            self._uncompile(error)
+            return
+        finally:
+            for tensor, grad in zip(factors, kept_grads):
+                tensor.grad = grad
+        logger.info("packed layers: pieces compiled in %.1f s", time.perf_counter() - started)
+
+    def _uncompile(self, error: Exception) -> None:
+        self.compile_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        warnings.warn(f"packed layers: compiling the training layers failed ({self.compile_error}); running them "
+                      "uncompiled", RuntimeWarning, stacklevel=3)
+        self.compiled, self._pieces = False, pieces(False)
