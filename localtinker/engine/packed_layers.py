@@ -33,7 +33,7 @@ from localtinker.engine.static_decode import frozen_layer, shared_weights, stati
 
 LAYERS_ENV = "LOCALTINKER_TRAIN_LAYERS"  # "0": the trainer runs transformers' layers
 COMPILE_ENV = "LOCALTINKER_TRAIN_COMPILE"  # "0": the pieces run uncompiled
-_KEPT = "_localtinker_packed_layers"  # on the causal LM: its PackedLayers, built once
+_KEPT = "_localtinker_packed_layers"  # on the causal LM: its PackedLayers (False: not taken), decided once
 _PROBE_TOKENS = 8
 logger = logging.getLogger("localtinker.engine")
 
@@ -154,13 +154,11 @@ class PackedLayers:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> PackedLayers | None:
-        """The model's PackedLayers (built once), or None where its family is not written out here."""
+        """The model's PackedLayers (built once), or None where its family is not written out here (decided once)."""
         kept = model.__dict__.get(_KEPT)
         if kept is None:
-            if not static_decode_supported(model):
-                return None
-            kept = model.__dict__[_KEPT] = cls(model)
-        return kept
+            kept = model.__dict__[_KEPT] = cls(model) if static_decode_supported(model) else False
+        return kept or None
 
     def _layer_parts(self) -> list[tuple] | None:
         """Each layer's tensors for the pieces, with the active adapter's factors; None where some group's
@@ -222,6 +220,8 @@ class PackedLayers:
         fails here leaves the path uncompiled, with the reason in ``compile_error``."""
         self._probed = True
         started = time.perf_counter()
+        # the first training step of a process waits for the compiler (tens of seconds on a GPU): say so
+        logger.info("packed layers: compiling the training layer pieces (once per process and model shape)")
         (norm, qkv, qkv_factors, q_norm, k_norm, o_proj, o_factors, post_norm, gate_up, gate_up_factors, down,
          down_factors) = parts[0]
         pre, post = self._pieces
