@@ -23,10 +23,11 @@ WRITTEN_OUT = ("llama", "qwen2", "qwen3", "mistral")
 LENGTHS = (7, 19, 3)
 
 
-def _engine(tmp_path, family: str, **kwargs) -> tuple[LocalEngine, str]:
+def _engine(tmp_path, family: str, lora: LoraSpec | None = None, **kwargs) -> tuple[LocalEngine, str]:
     engine = LocalEngine(tmp_path / family, dtype="float32", portable=True, static_decode=False, **kwargs)
     model_id = f"layers:{family}"
-    engine.create_model(model_id, str(family_dir(family)), LoraSpec(rank=4, seed=0, train_mlp=family != "qwen3_moe"))
+    lora = lora or LoraSpec(rank=4, seed=0, train_mlp=family != "qwen3_moe")
+    engine.create_model(model_id, str(family_dir(family)), lora)
     generator = torch.Generator().manual_seed(4)
     with torch.no_grad():  # B starts at zero: make the adapter change the output
         for key, param in engine._models[model_id].params.items():
@@ -82,6 +83,20 @@ def test_hidden_states_and_gradients_equal_transformers_layers(tmp_path, family,
     torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=0)
     assert bool(their_grads) == adapter
     _assert_grads_close(our_grads, their_grads)
+
+
+@pytest.mark.parametrize("lora", [LoraSpec(rank=3, seed=1, train_attn=False), LoraSpec(rank=3, seed=1, train_mlp=False),
+                                  LoraSpec(rank=3, seed=1, train_attn=False, train_mlp=False)],
+                         ids=["mlp-only", "attention-only", "unembedding-only"])
+def test_adapters_on_some_layer_groups_only(tmp_path, lora):
+    """Groups the adapter leaves alone run their base product only; the others still get their gradients."""
+    engine, model_id = _engine(tmp_path, "qwen2", lora)  # q/k/v biases
+    layers = PackedLayers(engine._hosts[str(family_dir("qwen2"))].base.model, compiled=False)
+    ours, our_grads = _hidden_and_grads(engine, model_id, layers)
+    theirs, their_grads = _hidden_and_grads(engine, model_id, None)
+    torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=0)
+    _assert_grads_close(our_grads, their_grads)
+    assert bool(their_grads) == (lora.train_attn or lora.train_mlp)
 
 
 def test_an_adapter_this_path_cannot_compute_runs_transformers_layers(tmp_path):
