@@ -16,13 +16,40 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from localtinker.engine.families import text_config
+
 Projection = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 MASKED = torch.finfo(torch.float32).min
 COMPILE_ENV = "LOCALTINKER_DECODE_COMPILE"  # "0" keeps a GPU's decode step uncompiled
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the pieces take beside tensors, read once from a Llama-shaped model: head sizes, attention scale and
+    the norms' epsilons (the q/k norms' for Qwen3, else the layer norms')."""
+
+    head_dim: int
+    heads: int
+    kv_heads: int
+    scale: float
+    eps: float
+    qk_eps: float
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> LayerShape:
+        config = text_config(model.config)
+        layer = model.get_decoder().layers[0]
+        attention = layer.self_attn
+        heads = int(config.num_attention_heads)
+        eps = float(layer.input_layernorm.variance_epsilon)
+        return cls(head_dim=int(attention.head_dim), heads=heads,
+                   kv_heads=int(getattr(config, "num_key_value_heads", None) or heads), scale=float(attention.scaling),
+                   eps=eps, qk_eps=float(attention.q_norm.variance_epsilon) if hasattr(attention, "q_norm") else eps)
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

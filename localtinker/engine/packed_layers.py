@@ -23,11 +23,13 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
-from localtinker.engine.decode_layer import allow_recompiles, compile_by_default, post_attention, pre_attention
-from localtinker.engine.families import text_config
+from localtinker.engine.decode_layer import (
+    LayerShape, allow_recompiles, compile_by_default, post_attention, pre_attention,
+)
 from localtinker.engine.portable_attention import packed_causal_attention
 from localtinker.engine.static_decode import frozen_layer, shared_weights, static_decode_supported
 
@@ -117,6 +119,28 @@ def _active_factors(modules: Sequence[torch.nn.Module]) -> Factors | None:
     return tuple(a_parts), tuple(b_parts), tuple(scales)
 
 
+class LayerParts(NamedTuple):
+    """One layer's tensors as the pieces take them: norms' weights, each group's (weight, bias) and factors."""
+
+    norm: torch.Tensor
+    qkv: tuple
+    qkv_factors: Factors
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: tuple
+    o_factors: Factors
+    post_norm: torch.Tensor
+    gate_up: tuple
+    gate_up_factors: Factors
+    down: tuple
+    down_factors: Factors
+
+    def trained(self) -> list[torch.Tensor]:
+        """The adapter's factor parameters this layer reads."""
+        groups = (self.qkv_factors, self.o_factors, self.gate_up_factors, self.down_factors)
+        return [tensor for a_parts, b_parts, _ in groups for tensor in (*a_parts, *b_parts)]
+
+
 def _mark_tokens_dynamic(*tensors: torch.Tensor | None) -> None:
     for tensor in tensors:
         if tensor is not None:
@@ -130,14 +154,7 @@ class PackedLayers:
         decoder = model.get_decoder()
         self.embed, self.norm, self.rotary = decoder.embed_tokens, decoder.norm, decoder.rotary_emb
         self.layers = list(decoder.layers)
-        config = text_config(model.config)
-        attention = self.layers[0].self_attn
-        self.head_dim = int(attention.head_dim)
-        self.heads = int(config.num_attention_heads)
-        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
-        self.scale = float(attention.scaling)
-        self.eps = float(self.layers[0].input_layernorm.variance_epsilon)
-        self.qk_eps = float(attention.q_norm.variance_epsilon) if hasattr(attention, "q_norm") else self.eps
+        self.shape = LayerShape.of(model)
         self.device = self.embed.weight.device
         by_default, why_not = compile_by_default(self.device, COMPILE_ENV)
         self.compiled = by_default if compiled is None else compiled
@@ -160,7 +177,7 @@ class PackedLayers:
             kept = model.__dict__[_KEPT] = cls(model) if static_decode_supported(model) else False
         return kept or None
 
-    def _layer_parts(self) -> list[tuple] | None:
+    def _layer_parts(self) -> list[LayerParts] | None:
         """Each layer's tensors for the pieces, with the active adapter's factors; None where some group's
         adapter is not plain."""
         parts = []
@@ -171,10 +188,11 @@ class PackedLayers:
             # (weight, bias) of each group; q/k/v and gate/up as views of one tensor (kept once made)
             bases = {name: shared_weights([frozen_layer(m) for m in modules]) for name, modules in groups.items()}
             q_norm, k_norm = getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)
-            parts.append((layer.input_layernorm.weight, bases["qkv"], factors["qkv"],
-                          None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                          bases["o_proj"], factors["o_proj"], layer.post_attention_layernorm.weight,
-                          bases["gate_up"], factors["gate_up"], bases["down"], factors["down"]))
+            parts.append(LayerParts(
+                layer.input_layernorm.weight, bases["qkv"], factors["qkv"], None if q_norm is None else q_norm.weight,
+                None if k_norm is None else k_norm.weight, bases["o_proj"], factors["o_proj"],
+                layer.post_attention_layernorm.weight, bases["gate_up"], factors["gate_up"], bases["down"],
+                factors["down"]))
         return parts
 
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seq_lens: torch.Tensor,
@@ -195,26 +213,40 @@ class PackedLayers:
             self._uncompile(error)
             return self._forward(parts, input_ids, position_ids, cu_seq_lens, lengths)
 
-    def _forward(self, parts: list[tuple], input_ids: torch.Tensor, position_ids: torch.Tensor,
+    def _forward(self, parts: list[LayerParts], input_ids: torch.Tensor, position_ids: torch.Tensor,
                  cu_seq_lens: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        pre, post = self._pieces
         x = self.embed(input_ids)
-        cos, sin = self.rotary(x[None], position_ids[None])
-        cos, sin = cos[0][:, None], sin[0][:, None]  # [tokens, 1, dim]
-        if self.compiled:
-            _mark_tokens_dynamic(x, cos, sin)
-        for (norm, qkv, qkv_factors, q_norm, k_norm, o_proj, o_factors, post_norm, gate_up, gate_up_factors, down,
-             down_factors) in parts:
-            q, k, v = pre(x, norm, *qkv, qkv_factors, q_norm, k_norm, cos, sin, self.heads, self.kv_heads, self.eps,
-                          self.qk_eps)
-            out = packed_causal_attention(q, k, v, cu_seq_lens, lengths, self.scale)
-            out = out.reshape(out.shape[0], self.heads * self.head_dim)
-            if self.compiled:
-                _mark_tokens_dynamic(out, x)
-            x = post(out, x, o_proj, o_factors, post_norm, gate_up, gate_up_factors, down, down_factors, self.eps)
+        cos, sin = self._rotation(x, position_ids)
+        for part in parts:
+            x = self._layer(x, part, cos, sin, cu_seq_lens, lengths)
         return self.norm(x)
 
-    def _probe(self, parts: list[tuple]) -> None:
+    def _rotation(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[tokens, 1, dim]`` of the rows' positions."""
+        cos, sin = self.rotary(x[None], positions[None])
+        cos, sin = cos[0][:, None], sin[0][:, None]
+        if self.compiled:
+            _mark_tokens_dynamic(cos, sin)
+        return cos, sin
+
+    def _layer(self, x: torch.Tensor, part: LayerParts, cos: torch.Tensor, sin: torch.Tensor,
+               cu_seq_lens: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """One decoder layer: the pre piece, attention over the packed rows, the post piece."""
+        (norm, qkv, qkv_factors, q_norm, k_norm, o_proj, o_factors, post_norm, gate_up, gate_up_factors, down,
+         down_factors) = part
+        pre, post = self._pieces
+        shape = self.shape
+        if self.compiled:
+            _mark_tokens_dynamic(x)
+        q, k, v = pre(x, norm, *qkv, qkv_factors, q_norm, k_norm, cos, sin, shape.heads, shape.kv_heads, shape.eps,
+                      shape.qk_eps)
+        out = packed_causal_attention(q, k, v, cu_seq_lens, lengths, shape.scale)
+        out = out.reshape(out.shape[0], shape.heads * shape.head_dim)
+        if self.compiled:
+            _mark_tokens_dynamic(out)
+        return post(out, x, o_proj, o_factors, post_norm, gate_up, gate_up_factors, down, down_factors, shape.eps)
+
+    def _probe(self, parts: list[LayerParts]) -> None:
         """Compiles the pieces once, forward and backward, on a few tokens through the first layer's weights
         (the backward is compiled at its first call, where a failure could not fall back): a compiler that
         fails here leaves the path uncompiled, with the reason in ``compile_error``."""
@@ -222,11 +254,8 @@ class PackedLayers:
         started = time.perf_counter()
         # the first training step of a process waits for the compiler (tens of seconds on a GPU): say so
         logger.info("packed layers: compiling the training layer pieces (once per process and model shape)")
-        (norm, qkv, qkv_factors, q_norm, k_norm, o_proj, o_factors, post_norm, gate_up, gate_up_factors, down,
-         down_factors) = parts[0]
-        pre, post = self._pieces
         tokens = _PROBE_TOKENS
-        factors = [t for f in (qkv_factors, o_factors, gate_up_factors, down_factors) for t in (*f[0], *f[1])]
+        factors = parts[0].trained()
         kept_grads = [t.grad for t in factors]  # a step's gradients accumulated so far stay as they are
         for tensor in factors:
             tensor.grad = None  # (the backward would add into them in place)
@@ -234,24 +263,11 @@ class PackedLayers:
             with torch.inference_mode(False), torch.enable_grad():
                 x = torch.randn((tokens, self.embed.weight.shape[1]), device=self.device, dtype=self.embed.weight.dtype,
                                 requires_grad=True)
-                positions = torch.arange(tokens, device=self.device)
-                cos, sin = self.rotary(x[None], positions[None])
-                cos, sin = cos[0][:, None], sin[0][:, None]
-                _mark_tokens_dynamic(x, cos, sin)
-                q, k, v = pre(x, norm, *qkv, qkv_factors, q_norm, k_norm, cos, sin, self.heads, self.kv_heads,
-                              self.eps, self.qk_eps)
+                cos, sin = self._rotation(x, torch.arange(tokens, device=self.device))
                 cu = torch.tensor([0, tokens], device=self.device, dtype=torch.int32)
-                out = packed_causal_attention(q, k, v, cu, [tokens], self.scale)
-                out = out.reshape(tokens, self.heads * self.head_dim)
-                _mark_tokens_dynamic(out, x)
-                y = post(out, x, o_proj, o_factors, post_norm, gate_up, gate_up_factors, down, down_factors, self.eps)
-                y.float().square().mean().backward()
+                self._layer(x, parts[0], cos, sin, cu, [tokens]).float().square().mean().backward()
             with torch.inference_mode():
-                q, k, v = pre(x.detach(), norm, *qkv, qkv_factors, q_norm, k_norm, cos, sin, self.heads,
-                              self.kv_heads, self.eps, self.qk_eps)
-                out = packed_causal_attention(q, k, v, cu, [tokens], self.scale).reshape(tokens, -1)
-                post(out, x.detach(), o_proj, o_factors, post_norm, gate_up, gate_up_factors, down, down_factors,
-                     self.eps)
+                self._layer(x.detach(), parts[0], cos, sin, cu, [tokens])
         except Exception as error:  # noqa: BLE001 - any compiler failure
             if isinstance(error, torch.OutOfMemoryError):
                 raise

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from localtinker.engine.decode_layer import Projection, compile_by_default, pieces, project, rms
+from localtinker.engine.decode_layer import LayerShape, Projection, compile_by_default, pieces, project, rms
 from localtinker.engine.families import architecture, final_softcap, text_config, uses_sliding_windows
 from localtinker.engine.token_choice import draw
 
@@ -219,14 +219,7 @@ class StaticDecoder:
         self.embed, self.norm, self.rotary = decoder.embed_tokens, decoder.norm, decoder.rotary_emb
         self.layers = list(decoder.layers)
         self.head = _Projection(model.get_output_embeddings())
-        attention = self.layers[0].self_attn
-        config = text_config(model.config)
-        self.head_dim = int(attention.head_dim)
-        self.heads = int(config.num_attention_heads)
-        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
-        self.scale = float(attention.scaling)
-        self.eps = float(self.layers[0].input_layernorm.variance_epsilon)
-        self.qk_eps = float(attention.q_norm.variance_epsilon) if hasattr(attention, "q_norm") else self.eps
+        self.shape = LayerShape.of(model)
         self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
         self.projections = [
             {"qkv": _SharedInput([getattr(layer.self_attn, name) for name in ("q_proj", "k_proj", "v_proj")]),
@@ -313,7 +306,7 @@ class StaticDecoder:
         if slots <= self.slots and columns <= self.columns:
             return
         slots, columns = max(slots, self.slots), max(columns, self.columns)
-        shape = (slots, self.kv_heads, columns, self.head_dim)
+        shape = (slots, self.shape.kv_heads, columns, self.shape.head_dim)
         keys, values = [], []
         for old_k, old_v in zip(self.keys or [None] * len(self.layers), self.values or [None] * len(self.layers)):
             k = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -344,7 +337,7 @@ class StaticDecoder:
         rows, width = mask.shape
         lengths = mask.sum(dim=1)
         source = (torch.arange(width, device=self.device)[None] + (width - lengths)[:, None]).clamp(max=width - 1)
-        index = source[:, None, :, None].expand(rows, self.kv_heads, width, self.head_dim)
+        index = source[:, None, :, None].expand(rows, self.shape.kv_heads, width, self.shape.head_dim)
         for (keys, values), k, v in zip(layers, self.keys, self.values):
             k[start : start + rows, :, :width] = keys.gather(2, index)
             v[start : start + rows, :, :width] = values.gather(2, index)
@@ -447,22 +440,23 @@ class StaticDecoder:
         return logits
 
     def _forward(self, rows: int, columns: int) -> torch.Tensor:
+        shape = self.shape
         tokens, positions = self.tokens[:rows], self.positions[:rows]
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]  # [rows, 1, dim]
         hidden = (self._column_ids[:columns][None] > positions[:, None])[:, None, None]  # [rows, 1, 1, columns]
-        slot = positions.view(rows, 1, 1, 1).expand(rows, self.kv_heads, 1, self.head_dim)
+        slot = positions.view(rows, 1, 1, 1).expand(rows, shape.kv_heads, 1, shape.head_dim)
         pre_attention, attention_weights, post_attention = self._pieces
         x = self.embed(tokens)
         for (norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down), keys, values in zip(
                 self._layer_parts, self.keys, self.values):
-            q, k, v = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, self.heads, self.kv_heads, self.eps,
-                                    self.qk_eps)
+            q, k, v = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, shape.heads, shape.kv_heads, shape.eps,
+                                    shape.qk_eps)
             keys[:rows].scatter_(2, slot, k[:, :, None])
             values[:rows].scatter_(2, slot, v[:, :, None])
             weights = attention_weights(torch.matmul(q, keys[:rows, :, :columns].transpose(-1, -2)), hidden,
-                                        self.scale)
+                                        shape.scale)
             out = torch.matmul(weights, values[:rows, :, :columns])  # [rows, kv heads, group, dim]
-            x = post_attention(out.reshape(rows, self.heads * self.head_dim), x, o_proj, post_norm, gate_up, down,
-                               self.eps)
+            x = post_attention(out.reshape(rows, shape.heads * shape.head_dim), x, o_proj, post_norm, gate_up, down,
+                               shape.eps)
         # no final soft cap: such models are not taken
-        return project(rms(x, self.norm.weight, self.eps), self.head.parts()).float()
+        return project(rms(x, self.norm.weight, shape.eps), self.head.parts()).float()
