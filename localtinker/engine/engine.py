@@ -3,7 +3,7 @@
 Called from one worker thread by the protocol layer. Holds one frozen base model per base-model
 name (loaded on first use), one LoRA adapter + AdamW state per training model, and samplers that
 point at a base model plus optional adapter weights (a checkpoint, or a snapshot of a training
-model's current weights spilled to disk so long RL runs do not pile snapshots up in memory).
+model's current weights: in memory while a budget allows, spilled to disk beyond it; snapshots.py).
 
 Devices (device.py): on the CPU the tuned path below; on a CUDA GPU, and on the CPU for models whose
 attention the tuned kernels do not cover (families.py), the *portable path*: bf16 (or float32) weights once on
@@ -20,9 +20,6 @@ in float32 elsewhere (see models.py and README.md in this directory).
 from __future__ import annotations
 
 import itertools
-import os
-import shutil
-import tempfile
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
@@ -68,6 +65,7 @@ from localtinker.engine.prefix_sharing import token_rows
 from localtinker.engine.retained_forward import LogprobBatch, RetainedForward, forward_tracking
 from localtinker.engine.sample_stream import SampleStream, SamplingTarget
 from localtinker.engine.sampler import validate_sample_spec
+from localtinker.engine.snapshots import SnapshotStore
 
 # Padded tokens per forward/backward micro-batch (losses and gradients are sums, so splitting is exact):
 # length-sorted rows in small micro-batches pad less and keep elementwise passes in cache. Rows longer than
@@ -86,8 +84,11 @@ SHARE_PREFIXES = True
 # activations at once, ~1.2 MB per token on SmolLM2-135M.
 RETAIN_FORWARDS = True
 RETAINED_FORWARD_TOKENS = 2048
-# Snapshots of a training model's weights (save_weights_and_get_sampling_client) kept per model.
+# Snapshots of a training model's weights (save_weights_and_get_sampling_client) kept per model, and the host
+# memory all models' snapshots may hold before the oldest spill to disk (snapshots.py): 2 GiB is 22 rank-32
+# adapters of a 1B model, 6 of an 8B one.
 SNAPSHOTS_PER_MODEL = 8
+SNAPSHOT_MEMORY_BYTES = 2 << 30
 # Sampler adapters kept resident per base model (others reload from disk on use). Two cover an RL loop's
 # current and previous snapshot; more made each of a run's first snapshots pay peft's adapter injection
 # until the set was full (bench/bench_rl_step.py; docs/engine-notes.md, save_weights_and_get_sampling_client).
@@ -116,11 +117,14 @@ class _TrainingModel:
 @dataclass
 class _Sampler:
     base_name: str
-    weights_path: Path | str | None  # None = bare base model; else tinker:// path or ephemeral file
+    weights_path: str | None  # None = bare base model (or a snapshot); else a tinker:// path
     version: str = ""  # checkpoint creation time: a checkpoint overwritten under the same path is new weights
+    snapshot: int | None = None  # the number of a training model's snapshot (snapshots.py)
 
     @property
     def weights_key(self) -> str | None:
+        if self.snapshot is not None:
+            return f"snapshot:{self.snapshot}"
         return None if self.weights_path is None else f"{self.weights_path}@{self.version}"
 
 
@@ -160,12 +164,10 @@ class LocalEngine:
         self.dtype = dtype
         self.storage_dir = Path(storage_dir)
         self.checkpoints = CheckpointStore(self.storage_dir / "checkpoints")
-        self._ephemeral_dir = _fresh_ephemeral_dir(self.storage_dir / "ephemeral")
+        self.snapshots = SnapshotStore(self.storage_dir / "ephemeral", SNAPSHOTS_PER_MODEL, SNAPSHOT_MEMORY_BYTES)
         self._hosts: dict[str, _Host] = {}
         self._models: dict[str, _TrainingModel] = {}
         self._samplers: dict[str, _Sampler] = {}
-        self._snapshots: dict[tuple[str, int], Path] = {}
-        self._snapshot_counter = 0
         self._lock = threading.RLock()  # the protocol calls from one thread; this guards misuse
         self._retained: RetainedForward | None = None  # the last forward's kept micro-batches (retained_forward.py)
 
@@ -502,21 +504,11 @@ class LocalEngine:
     def create_ephemeral_sampler(self, sampler_id: str, model_id: str) -> str:
         with self._lock:
             model = self._model(model_id)
-            key = (model_id, model.version)
-            if key not in self._snapshots:
-                self._snapshot_counter += 1
-                file = self._ephemeral_dir / f"{self._snapshot_counter}.pt"
-                torch.save({"weights": self._weights(model), "lora": model.lora.__dict__}, file)
-                self._snapshots[key] = file
-                self._forget_old_snapshots(model_id)
-            self._samplers[sampler_id] = _Sampler(base_name=model.base_name, weights_path=self._snapshots[key])
+            number = self.snapshots.find(model_id, model.version)
+            if number is None:
+                number = self.snapshots.add(model_id, model.version, self._weights(model), model.lora.__dict__)
+            self._samplers[sampler_id] = _Sampler(base_name=model.base_name, weights_path=None, snapshot=number)
             return model.base_name
-
-    def _forget_old_snapshots(self, model_id: str) -> None:
-        """Keeps the newest few snapshots per model on disk; an RL loop makes one per step."""
-        keys = sorted(key for key in self._snapshots if key[0] == model_id)
-        for key in keys[:-SNAPSHOTS_PER_MODEL]:
-            self._snapshots.pop(key).unlink(missing_ok=True)
 
     def sample_batch(self, requests: list[tuple[str, SampleSpec]]) -> list[SampleResult | Exception]:
         """Runs the requests to completion through one :class:`SampleStream` (the protocol keeps its own, long-lived)."""
@@ -584,22 +576,18 @@ class LocalEngine:
         )
 
     def _resident_adapter(self, host: _Host, sampler: _Sampler) -> str | None:
-        weights_path, key = sampler.weights_path, sampler.weights_key
-        if weights_path is None or key is None:
+        key = sampler.weights_key
+        if key is None:
             return None
         if key in host.resident:
             host.resident.move_to_end(key)
             return host.resident[key]
-        if isinstance(weights_path, Path):
-            if not weights_path.is_file():
-                raise UnknownModelError(
-                    f"this sampling client's weights snapshot was superseded by {SNAPSHOTS_PER_MODEL} newer ones "
-                    "and dropped; create a new sampling client (or save_weights_for_sampler to keep weights)."
-                )
-            saved = torch.load(weights_path, weights_only=True)
-            weights, lora = saved["weights"], LoraSpec(**saved["lora"])
+        if sampler.snapshot is not None:
+            weights, layout = self.snapshots.load(sampler.snapshot)
+            lora = LoraSpec(**layout)
         else:
-            checkpoint = self.checkpoints.load(weights_path)
+            assert sampler.weights_path is not None
+            checkpoint = self.checkpoints.load(sampler.weights_path)
             weights, lora = checkpoint.adapter, LoraSpec(**checkpoint.meta["lora"])
         adapter = self._reused_adapter(host, lora) or host.adapters.add_adapter(lora, seed=0)
         try:
@@ -693,7 +681,7 @@ class LocalEngine:
         return sampler
 
     def _weights(self, model: _TrainingModel) -> dict[str, torch.Tensor]:
-        return {key: param.detach().cpu().clone() for key, param in model.params.items()}
+        return {key: param.detach().to("cpu", copy=True) for key, param in model.params.items()}
 
     def _meta(self, model: _TrainingModel) -> dict:
         return {"base_model": model.base_name, "lora": model.lora.__dict__, "step": model.adam.step}
@@ -722,23 +710,3 @@ class RoutedSampleStream:
     def step(self) -> list:
         completed = self.tuned.step() if self.tuned.busy else []
         return completed + (self.portable.step() if self.portable.busy else [])
-
-
-def _fresh_ephemeral_dir(root: Path) -> Path:
-    """A snapshot directory private to this engine; those of engines whose process has died are removed."""
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.iterdir():
-        pid = stale.name.split("-")[0]
-        if pid.isdigit() and not _process_alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root))
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
