@@ -196,13 +196,27 @@ def our_sample(engine, sampler_id: str, prompts: np.ndarray, new_tokens: int, sa
     return results
 
 
-def our_grpo_step(engine, model_id: str, prompts: np.ndarray, samples: int, new_tokens: int, step: list[int]) -> None:
+def our_grpo_step(engine, model_id: str, prompts: np.ndarray, samples: int, new_tokens: int, step: list[int],
+                  parts: dict[str, list[float]] | None = None) -> None:
+    """One GRPO-shaped step; with ``parts``, each part's seconds (device synced) are appended under its name."""
+    def lap(name: str, start: float) -> float:
+        if parts is not None:
+            sync()
+            now = time.perf_counter()
+            parts.setdefault(name, []).append(now - start)
+            return now
+        return start
+
+    start = time.perf_counter()
     step[0] += 1
     sampler = f"grpo-{step[0]}"
     engine.create_ephemeral_sampler(sampler, model_id)
+    start = lap("snapshot", start)
     rng = np.random.default_rng(step[0])
+    results = our_sample(engine, sampler, prompts, new_tokens, samples)
+    start = lap("sampling", start)
     data = []
-    for prompt, result in zip(prompts, our_sample(engine, sampler, prompts, new_tokens, samples)):
+    for prompt, result in zip(prompts, results):
         for sequence in result.sequences:
             tokens = np.concatenate([prompt, sequence.tokens])
             mask = np.zeros(len(tokens) - 1, np.float32)
@@ -210,7 +224,13 @@ def our_grpo_step(engine, model_id: str, prompts: np.ndarray, samples: int, new_
             logprobs = np.zeros(len(tokens) - 1, np.float32)
             logprobs[len(prompt) - 1 :] = sequence.logprobs
             data.append(datum(tokens, logprobs=logprobs, advantages=mask * rng.standard_normal()))
-    our_step(engine, model_id, data, "importance_sampling")
+    start = lap("data", start)
+    from localtinker.engine.api import AdamSpec
+
+    engine.forward_backward(model_id, data, "importance_sampling", None, False)
+    start = lap("forward_backward", start)
+    engine.optim_step(model_id, AdamSpec(learning_rate=1e-5))
+    lap("optim_step", start)
 
 
 def compare_training_layers(key: str, engine, name: str, model_id: str, data, repeats: int,
@@ -402,6 +422,11 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
         say(f"{key}.ours.grpo_s", ours_grpo, " s")
         if f"{key}.hf.grpo_s" in results:
             say(f"{key}.grpo_ratio", results[f"{key}.hf.grpo_s"] / ours_grpo, "x")
+        parts: dict[str, list[float]] = {}  # where the step's time goes: two more steps, each part synced
+        for _ in range(2):
+            our_grpo_step(engine, model_id, prompts[:grpo_prompts], grpo_samples, grpo_new, step, parts)
+        for part, seconds in parts.items():
+            say(f"{key}.ours.grpo_{part}_s", min(seconds), " s")
     # The same training step again, now that this process has sampled (compiled decode pieces, captured graphs):
     # an RL loop trains right after sampling, and a slower step here is what it would pay.
     say(f"{key}.ours.sft_after_sampling_s", timed(lambda: our_step(engine, model_id, sft_data), repeats), " s")

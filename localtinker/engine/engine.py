@@ -50,7 +50,7 @@ from localtinker.engine.datums import PreparedDatum, prepare_datums
 from localtinker.engine.heap import keep_freed_memory
 from localtinker.engine.logprobs import token_logprobs_tracking
 from localtinker.engine.lora import AdapterHost, validate_lora_spec
-from localtinker.engine.losses import LOSSES, gradient_tokens, resolve_loss_config
+from localtinker.engine.losses import LOSSES, PER_TOKEN_LOSSES, gradient_tokens, resolve_loss_config
 from localtinker.engine.models import DTYPES, TINY_RANDOM_NAME, BaseModel, load_base_model, portable_base_model
 from localtinker.engine.optimizer import AdamState, adamw_step, validate_adam
 from localtinker.engine.packaged import SMOLLM2_NAME
@@ -278,7 +278,6 @@ class LocalEngine:
     def _portable_forward_backward(self, model, host, datums, loss_fn, config, forward_only) -> ForwardBackwardResult:
         """The portable path's forward(_backward): packed rows, chunked logprobs, loss inputs on the device."""
         device = self.device
-        datums = [replace(d, loss_inputs={k: v.to(device) for k, v in d.loss_inputs.items()}) for d in datums]
         causal_lm = host.base.model
         budget = (device_microbatch_tokens(causal_lm.config, device, PORTABLE_MICROBATCH_TOKENS)
                   if device.type != "cpu" else TRAIN_MICROBATCH_TOKENS)
@@ -363,22 +362,34 @@ class LocalEngine:
     def _losses(batches: Iterator[LogprobBatch], datums: list[PreparedDatum], loss_fn: str, config,
                 backward: bool) -> ForwardBackwardResult:
         """``loss_fn`` on each micro-batch's logprobs (back-propagated micro-batch by micro-batch when
-        ``backward``): per-datum logprobs and elementwise losses, and the summed loss."""
+        ``backward``): per-datum logprobs and elementwise losses, and the summed loss. A per-token loss runs
+        once over the micro-batch's datums laid end to end, with one copy to the host: an RL batch of
+        thousands of short datums would otherwise pay a dozen kernels and two device syncs per datum."""
         loss_function = LOSSES[loss_fn]
         outputs: list[dict[str, np.ndarray]] = [{} for _ in datums]
         total = 0.0
         for batch in batches:
-            batch_loss = batch.logprobs.new_zeros(())
-            for index, datum_rows in batch.datum_rows.items():
-                lp = batch.logprobs[datum_rows]
-                elementwise = loss_function(lp, datums[index].loss_inputs, config)
-                batch_loss = batch_loss + elementwise.sum()
-                outputs[index] = {
-                    "logprobs": lp.detach().float().cpu().numpy().copy(),
-                    "elementwise_loss": elementwise.detach().float().cpu().numpy().copy(),
-                }
+            indices = list(batch.datum_rows)
+            if loss_fn in PER_TOKEN_LOSSES:
+                lp, elementwise = _per_token_loss(batch, [datums[i] for i in indices], loss_function, config)
+                batch_loss = elementwise.sum()
+                lengths = [len(batch.datum_rows[i]) for i in indices]
+            else:
+                lps, losses = [], []
+                for index in indices:
+                    inputs = {k: v.to(batch.logprobs.device) for k, v in datums[index].loss_inputs.items()}
+                    lps.append(batch.logprobs[batch.datum_rows[index]])
+                    losses.append(loss_function(lps[-1], inputs, config))
+                lp, elementwise = torch.cat(lps), torch.cat(losses)
+                batch_loss = torch.stack([loss.sum() for loss in losses]).sum()
+                lengths = [len(loss) for loss in losses]
             if backward:
                 batch_loss.backward()
+            host_lp = lp.detach().float().cpu().numpy().copy()  # owned, not a view of a tensor's memory
+            host_loss = elementwise.detach().float().cpu().numpy().copy()
+            bounds = np.cumsum(lengths)[:-1]
+            for index, datum_lp, datum_loss in zip(indices, np.split(host_lp, bounds), np.split(host_loss, bounds)):
+                outputs[index] = {"logprobs": datum_lp, "elementwise_loss": datum_loss}
             total += float(batch_loss.detach())
         return ForwardBackwardResult(loss_fn_outputs=outputs, metrics={"loss:sum": total})
 
@@ -685,6 +696,16 @@ class LocalEngine:
 
     def _meta(self, model: _TrainingModel) -> dict:
         return {"base_model": model.base_name, "lora": model.lora.__dict__, "step": model.adam.step}
+
+
+def _per_token_loss(batch: LogprobBatch, datums: list[PreparedDatum], loss_function, config
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A per-token loss over ``datums`` (the batch's, in its order) laid end to end: (their logprobs, the
+    elementwise loss), one gather and one kernel per operation of the loss."""
+    lp = batch.logprobs[torch.cat(list(batch.datum_rows.values()))]
+    keys = datums[0].loss_inputs.keys()
+    inputs = {key: torch.cat([d.loss_inputs[key] for d in datums]).to(lp.device, non_blocking=True) for key in keys}
+    return lp, loss_function(lp, inputs, config)
 
 
 class RoutedSampleStream:

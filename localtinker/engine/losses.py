@@ -118,6 +118,10 @@ def gradient_tokens(loss_fn: str, inputs: LossInputs, config: dict[str, float]) 
     return inputs["advantages"] != 0
 
 
+# Losses whose value at a token depends on that token alone: the engine computes them over a whole micro-batch's
+# tokens at once (one kernel per operation, not one per datum). GSPO's sequence ratio needs each datum apart.
+PER_TOKEN_LOSSES = frozenset({"cross_entropy", "importance_sampling", "ppo", "cispo", "dro"})
+
 LOSSES: dict[str, Callable[[torch.Tensor, LossInputs, dict[str, float]], torch.Tensor]] = {
     "cross_entropy": cross_entropy,
     "importance_sampling": importance_sampling,

@@ -85,7 +85,10 @@ def run_both(engine, model_id: str, name: str, config: dict[str, float] | None, 
     for datum, output in zip(data, result.loss_fn_outputs):
         lp = reference.logprobs(datum.tokens, datum.loss_fn_inputs["target_tokens"])
         np.testing.assert_allclose(output["logprobs"], lp.detach().numpy(), atol=1e-5)
-        total = total + ref_loss(lp, datum.loss_fn_inputs)
+        datum_loss = ref_loss(lp, datum.loss_fn_inputs)
+        assert output["elementwise_loss"].shape == lp.shape  # each datum's own tokens, in order
+        assert float(output["elementwise_loss"].sum()) == pytest.approx(datum_loss.item(), rel=1e-5, abs=1e-5)
+        total = total + datum_loss
     total.backward()
     assert result.metrics["loss:sum"] == pytest.approx(total.item(), rel=1e-5, abs=1e-3)
     for key, grad in reference.grads().items():
