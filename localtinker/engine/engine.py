@@ -378,7 +378,7 @@ class LocalEngine:
                 lps, losses = [], []
                 for index in indices:
                     inputs = {k: v.to(batch.logprobs.device) for k, v in datums[index].loss_inputs.items()}
-                    lps.append(batch.logprobs[batch.datum_rows[index]])
+                    lps.append(batch.logprobs[batch.datum_rows[index].to(batch.logprobs.device)])
                     losses.append(loss_function(lps[-1], inputs, config))
                 lp, elementwise = torch.cat(lps), torch.cat(losses)
                 batch_loss = torch.stack([loss.sum() for loss in losses]).sum()
@@ -702,7 +702,8 @@ def _per_token_loss(batch: LogprobBatch, datums: list[PreparedDatum], loss_funct
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """A per-token loss over ``datums`` (the batch's, in its order) laid end to end: (their logprobs, the
     elementwise loss), one gather and one kernel per operation of the loss."""
-    lp = batch.logprobs[torch.cat(list(batch.datum_rows.values()))]
+    rows = torch.cat(list(batch.datum_rows.values()))
+    lp = batch.logprobs[rows.to(batch.logprobs.device, non_blocking=True)]
     keys = datums[0].loss_inputs.keys()
     inputs = {key: torch.cat([d.loss_inputs[key] for d in datums]).to(lp.device, non_blocking=True) for key in keys}
     return lp, loss_function(lp, inputs, config)
