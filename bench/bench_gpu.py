@@ -434,6 +434,9 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
     if profile and key == "1b":
         profile_ours(lambda: our_step(engine, model_id, sft_data), "SFT step 8 x 512")
         profile_ours(lambda: our_sample(engine, f"sampler-{key}", prompts, 16), "sampling 64 x 16")
+        profiled_steps = [100]
+        profile_ours(lambda: our_grpo_step(engine, model_id, prompts[:grpo_prompts], grpo_samples, grpo_new,
+                                           profiled_steps), "GRPO step")
     engine.unload_model(model_id)
     engine._hosts.pop(name, None)
     engine._samplers.clear()
