@@ -50,6 +50,7 @@ from localtinker.engine.datums import PreparedDatum, prepare_datums
 from localtinker.engine.heap import keep_freed_memory
 from localtinker.engine.logprobs import token_logprobs_tracking
 from localtinker.engine.lora import AdapterHost, validate_lora_spec
+from localtinker.engine.memory_errors import memory_errors_named
 from localtinker.engine.losses import LOSSES, PER_TOKEN_LOSSES, gradient_tokens, resolve_loss_config
 from localtinker.engine.models import DTYPES, TINY_RANDOM_NAME, BaseModel, load_base_model, portable_base_model
 from localtinker.engine.optimizer import AdamState, adamw_step, validate_adam
@@ -252,28 +253,37 @@ class LocalEngine:
             host = self._hosts[model.base_name]
             config = resolve_loss_config(loss_fn, loss_fn_config)
             datums = prepare_datums(data, loss_fn, host.base.vocab_size, host.base.max_context_length)
-            if host.base.portable:
-                return self._portable_forward_backward(model, host, datums, loss_fn, config, forward_only)
-            retained, self._retained = self._retained, None
-            if forward_only or not (retained and retained.serves(model_id, model.version, datums, loss_fn, config)):
-                retained = None  # freed before this call's own forward
-            with host.adapters.activated(model.adapter):
-                if forward_only:
-                    if RETAIN_FORWARDS:
-                        return self._forward_retaining(model, host, datums, loss_fn, config)
-                    with torch.inference_mode():
-                        return self._losses(self._logprob_batches(host, datums, loss_fn, config), datums, loss_fn,
-                                            config, backward=False)
-                if retained:  # the kept micro-batches need a backward only; the others run here again
-                    rest = retained.recompute
-                    batches = itertools.chain(
-                        retained.batches,
-                        self._logprob_batches(host, [datums[i] for i in rest], loss_fn, config, keys=rest) if rest else (),
-                    )
-                else:
-                    batches = self._logprob_batches(host, datums, loss_fn, config)
-                del retained
-                return self._accumulate_grads(model, lambda: self._losses(batches, datums, loss_fn, config, backward=True))
+            work = f"{'forward' if forward_only else 'forward_backward'} of {len(datums)} datums " \
+                   f"({sum(len(d.tokens) for d in datums)} tokens)"
+            remedy = ("Send fewer or shorter datums per call: gradients of several forward_backward calls add up "
+                      "until optim_step.")
+            with memory_errors_named(work, self.device, remedy):
+                return self._forward_backward(model, host, datums, loss_fn, config, forward_only)
+
+    def _forward_backward(self, model, host, datums, loss_fn, config, forward_only) -> ForwardBackwardResult:
+        """forward_backward on validated datums (a failure leaves the gradients as they were)."""
+        if host.base.portable:
+            return self._portable_forward_backward(model, host, datums, loss_fn, config, forward_only)
+        retained, self._retained = self._retained, None
+        if forward_only or not (retained and retained.serves(model.model_id, model.version, datums, loss_fn, config)):
+            retained = None  # freed before this call's own forward
+        with host.adapters.activated(model.adapter):
+            if forward_only:
+                if RETAIN_FORWARDS:
+                    return self._forward_retaining(model, host, datums, loss_fn, config)
+                with torch.inference_mode():
+                    return self._losses(self._logprob_batches(host, datums, loss_fn, config), datums, loss_fn,
+                                        config, backward=False)
+            if retained:  # the kept micro-batches need a backward only; the others run here again
+                rest = retained.recompute
+                batches = itertools.chain(
+                    retained.batches,
+                    self._logprob_batches(host, [datums[i] for i in rest], loss_fn, config, keys=rest) if rest else (),
+                )
+            else:
+                batches = self._logprob_batches(host, datums, loss_fn, config)
+            del retained
+            return self._accumulate_grads(model, lambda: self._losses(batches, datums, loss_fn, config, backward=True))
 
     def _portable_forward_backward(self, model, host, datums, loss_fn, config, forward_only) -> ForwardBackwardResult:
         """The portable path's forward(_backward): packed rows, chunked logprobs, loss inputs on the device."""
@@ -537,7 +547,7 @@ class LocalEngine:
         """Continuous batching over this engine's samplers: requests join and leave between decode steps; each
         request goes to its base model's path (the tuned CPU stream, or the portable one)."""
         portable = PortableSampleStream(self, static_decode=self.static_decode)
-        return RoutedSampleStream(SampleStream(self), portable, self._sampler_is_portable)
+        return RoutedSampleStream(SampleStream(self), portable, self._sampler_is_portable, self.device)
 
     def _sampler_is_portable(self, sampler_id: str) -> bool:
         sampler = self._samplers.get(sampler_id)
@@ -712,8 +722,10 @@ def _per_token_loss(batch: LogprobBatch, datums: list[PreparedDatum], loss_funct
 class RoutedSampleStream:
     """The engine's one sample stream: each request to the stream of its base model's path."""
 
-    def __init__(self, tuned: SampleStream, portable: PortableSampleStream, is_portable: Callable[[str], bool]) -> None:
-        self.tuned, self.portable, self._is_portable = tuned, portable, is_portable
+    def __init__(self, tuned: SampleStream, portable: PortableSampleStream, is_portable: Callable[[str], bool],
+                 device: torch.device) -> None:
+        self.tuned, self.portable, self._is_portable, self.device = tuned, portable, is_portable, device
+        self._open = 0  # requests submitted and not yet completed
 
     @property
     def busy(self) -> bool:
@@ -724,11 +736,17 @@ class RoutedSampleStream:
 
     def submit(self, key, sampler_id: str, spec: SampleSpec) -> None:
         (self.portable if self._is_portable(sampler_id) else self.tuned).submit(key, sampler_id, spec)
+        self._open += 1
 
     def progress(self, key) -> list[list[int]] | None:
         found = self.tuned.progress(key)
         return found if found is not None else self.portable.progress(key)
 
     def step(self) -> list:
-        completed = self.tuned.step() if self.tuned.busy else []
-        return completed + (self.portable.step() if self.portable.busy else [])
+        """One decode step of every running request (a failure fails them all: the caller starts a new stream)."""
+        remedy = "Sample fewer sequences at once (num_samples, or fewer requests in flight) or fewer max_tokens."
+        with memory_errors_named(f"sampling {self._open} requests at once", self.device, remedy):
+            completed = self.tuned.step() if self.tuned.busy else []
+            completed += self.portable.step() if self.portable.busy else []
+        self._open -= len(completed)
+        return completed

@@ -79,3 +79,40 @@ def test_two_concurrent_clients_do_not_interfere(tinker_server: RunningServer) -
     assert together.keys() == alone.keys()
     for seed in jobs:
         np.testing.assert_allclose(together[seed], alone[seed], rtol=1e-6)
+
+
+def test_running_out_of_memory_is_a_clear_user_error_and_the_server_goes_on(
+    service_client: tinker.ServiceClient, monkeypatch
+) -> None:
+    """torch's OutOfMemoryError inside the engine reaches the SDK as a user error naming the work and what to
+    send instead (not an internal error); the weights are untouched and the next requests run."""
+    import torch
+
+    from localtinker.engine import engine as engine_module
+    from localtinker.engine import sample_stream
+
+    def once(owner, name: str) -> None:
+        original, calls = getattr(owner, name), []
+
+        def failing(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, failing)
+
+    trainer = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=5).result()
+    before = _logprobs(trainer)
+    once(engine_module, "token_logprobs_tracking")
+    with pytest.raises(tinker.RequestFailedError, match=r"forward_backward of 1 datums \(4 tokens\) ran out of cpu "
+                                                        r"memory; nothing was changed\. Send fewer") as failed:
+        trainer.forward_backward([_datum([3, 30, 300, 3000, 13])], "cross_entropy").result()  # not the kept forward's
+    assert failed.value.category == types.RequestErrorCategory.User
+    np.testing.assert_array_equal(_logprobs(trainer), before)
+    sampler = trainer.save_weights_and_get_sampling_client("oom").result()
+    once(sample_stream.SampleStream, "step")
+    params = types.SamplingParams(max_tokens=2, temperature=0.0)
+    with pytest.raises(Exception, match="requests at once ran out of cpu memory; nothing was changed"):
+        sampler.sample(types.ModelInput.from_ints(TOKENS), 1, params).result()
+    assert len(sampler.sample(types.ModelInput.from_ints(TOKENS), 1, params).result().sequences[0].tokens) == 2

@@ -1,0 +1,69 @@
+"""Running out of device memory: a clear error naming the work and what to send instead, and no state changed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from localtinker.engine import engine as engine_module
+from localtinker.engine import sample_stream
+from localtinker.engine.api import AdamSpec, EngineUserError, LoraSpec, SampleSpec
+from localtinker.engine.memory_errors import DeviceMemoryError, memory_errors_named
+from tests.localtinker.engine.reference import TINY, sft_datum
+
+
+def out_of_memory_once(monkeypatch, owner, name: str) -> list[int]:
+    """Makes ``owner.name`` raise torch's OutOfMemoryError at its next call only; returns the call count."""
+    original, calls = getattr(owner, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+    return calls
+
+
+def test_only_out_of_memory_is_translated():
+    with pytest.raises(DeviceMemoryError, match=r"^loading x ran out of cpu memory; nothing was changed\. Send less\. "
+                                                r"\(torch: CUDA out of memory"):
+        with memory_errors_named("loading x", torch.device("cpu"), "Send less."):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+    assert issubclass(DeviceMemoryError, EngineUserError)  # answered as the client's to change, not retried
+    with pytest.raises(RuntimeError, match="other"):
+        with memory_errors_named("loading x", torch.device("cpu"), "Send less."):
+            raise RuntimeError("other")
+
+
+def test_forward_backward_out_of_memory_names_the_batch_and_keeps_the_gradients(engine, new_id, monkeypatch):
+    model_id = new_id()
+    engine.create_model(model_id, TINY, LoraSpec(rank=4, seed=1))
+    rng = np.random.default_rng(0)
+    first, second = [sft_datum(rng, 9)], [sft_datum(rng, 7), sft_datum(rng, 5)]
+    engine.forward_backward(model_id, first, "cross_entropy", None, False)
+    grads = {key: grad.clone() for key, grad in engine.lora_grads(model_id).items()}
+    calls = out_of_memory_once(monkeypatch, engine_module, "token_logprobs_tracking")
+    with pytest.raises(DeviceMemoryError) as failed:
+        engine.forward_backward(model_id, second, "cross_entropy", None, False)
+    message = str(failed.value)
+    assert "forward_backward of 2 datums (12 tokens) ran out of cpu memory; nothing was changed" in message
+    assert "Send fewer or shorter datums per call" in message and "Tried to allocate 20.00 GiB" in message
+    assert calls and all(torch.equal(engine.lora_grads(model_id)[k], g) for k, g in grads.items())
+    engine.forward_backward(model_id, second, "cross_entropy", None, False)  # the same call now runs
+    engine.optim_step(model_id, AdamSpec(learning_rate=0.01))
+
+
+def test_sampling_out_of_memory_fails_the_batch_clearly_and_the_next_one_runs(engine, new_id, monkeypatch):
+    model_id = new_id()
+    engine.create_model(model_id, TINY, LoraSpec(rank=4, seed=1))
+    engine.create_ephemeral_sampler("oom-sampler", model_id)
+    prompt = SampleSpec(prompt_tokens=(3, 4, 5), max_tokens=3, temperature=0.0, stop_token_ids=())
+    out_of_memory_once(monkeypatch, sample_stream.SampleStream, "step")
+    with pytest.raises(DeviceMemoryError, match=r"sampling 2 requests at once ran out of cpu memory; nothing was "
+                                                r"changed\. Sample fewer sequences at once"):
+        engine.sample_batch([("oom-sampler", prompt), ("oom-sampler", prompt)])
+    results = engine.sample_batch([("oom-sampler", prompt), ("oom-sampler", prompt)])
+    assert [len(r.sequences[0].tokens) for r in results] == [3, 3]
