@@ -50,7 +50,7 @@ from localtinker.engine.datums import PreparedDatum, prepare_datums
 from localtinker.engine.heap import keep_freed_memory
 from localtinker.engine.logprobs import token_logprobs_tracking
 from localtinker.engine.lora import AdapterHost, validate_lora_spec
-from localtinker.engine.memory_errors import memory_errors_named
+from localtinker.engine.memory_errors import SAMPLING_REMEDY, memory_errors_named
 from localtinker.engine.losses import LOSSES, PER_TOKEN_LOSSES, gradient_tokens, resolve_loss_config
 from localtinker.engine.models import DTYPES, TINY_RANDOM_NAME, BaseModel, load_base_model, portable_base_model
 from localtinker.engine.optimizer import AdamState, adamw_step, validate_adam
@@ -744,8 +744,7 @@ class RoutedSampleStream:
 
     def step(self) -> list:
         """One decode step of every running request (a failure fails them all: the caller starts a new stream)."""
-        remedy = "Sample fewer sequences at once (num_samples, or fewer requests in flight) or fewer max_tokens."
-        with memory_errors_named(f"sampling {self._open} requests at once", self.device, remedy):
+        with memory_errors_named(f"sampling {self._open} requests at once", self.device, SAMPLING_REMEDY):
             completed = self.tuned.step() if self.tuned.busy else []
             completed += self.portable.step() if self.portable.busy else []
         self._open -= len(completed)

@@ -23,18 +23,29 @@ class DeviceMemoryError(EngineUserError):
     """A request needed more memory than the device had free; the engine's state is as before it."""
 
 
+# What a sampling request can change when its batch ran out of memory.
+SAMPLING_REMEDY = "Sample fewer sequences at once (num_samples, or fewer requests in flight) or fewer max_tokens."
+
+
+def device_memory_error(error: BaseException, work: str, device: torch.device, remedy: str) -> BaseException:
+    """``error`` as a :class:`DeviceMemoryError` naming ``work``, the device's free and total memory and
+    ``remedy`` when it is torch's ``OutOfMemoryError`` (logged for the operator: a user error is otherwise not);
+    any other error unchanged. Only for work whose failure leaves no state changed."""
+    if not isinstance(error, torch.OutOfMemoryError):
+        return error
+    detail = str(error).splitlines()[0] if str(error) else "out of memory"
+    message = f"{work} ran out of {device} memory{_memory_state(device)}; nothing was changed. {remedy} (torch: {detail})"
+    logger.warning("%s", message)
+    return DeviceMemoryError(message)
+
+
 @contextmanager
 def memory_errors_named(work: str, device: torch.device, remedy: str) -> Iterator[None]:
-    """Turns an ``OutOfMemoryError`` raised inside into a :class:`DeviceMemoryError` naming ``work``, the
-    device's total and free memory, and ``remedy``. Only for work whose failure leaves no state changed."""
+    """Raises an ``OutOfMemoryError`` from inside as :func:`device_memory_error`'s :class:`DeviceMemoryError`."""
     try:
         yield
     except torch.OutOfMemoryError as error:
-        detail = str(error).splitlines()[0] if str(error) else "out of memory"
-        message = f"{work} ran out of {device} memory{_memory_state(device)}; nothing was changed. {remedy} " \
-                  f"(torch: {detail})"
-        logger.warning("%s", message)  # the operator's view: a user error is otherwise not logged
-        raise DeviceMemoryError(message) from None
+        raise device_memory_error(error, work, device, remedy) from None
 
 
 def _memory_state(device: torch.device) -> str:

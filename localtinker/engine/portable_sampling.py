@@ -26,6 +26,7 @@ from localtinker.engine.api import EngineUserError, SampledSequence, SampleResul
 from localtinker.engine.chunked_logprobs import chunked_token_logprobs, output_logits
 from localtinker.engine.families import final_softcap
 from localtinker.engine.kv_rows import RowCache, first_used_column, left_pad, select_rows
+from localtinker.engine.memory_errors import SAMPLING_REMEDY, device_memory_error
 from localtinker.engine.sample_stream import RESERVED_TOKENS_PER_SAMPLE, SamplingBackend, SamplingTarget
 from localtinker.engine.sampler import SampleRow, record_token, rows_for
 from localtinker.engine.static_decode import CONTROLS, StaticDecoder, bucket, static_decode_supported
@@ -342,6 +343,8 @@ class PortableSampleStream:
             completed: Completed = [(r.key, r.result()) for r in done]
         except Exception as error:  # noqa: BLE001 - one weights group's failure must not fail the others
             keys = {r.key for r in requests} | {row.request.key for row in (batch.rows if batch else [])}
+            error = device_memory_error(error, f"sampling {len(keys)} requests of one sampler", self.backend.device,
+                                        SAMPLING_REMEDY)
             completed = [(key, error) for key in keys]
             if batch is not None:
                 batch.rows = []

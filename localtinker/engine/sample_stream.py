@@ -33,6 +33,7 @@ import torch
 
 from localtinker.engine.api import EngineUserError, SampleResult, SampleSpec
 from localtinker.engine.decode_batch import DecodeBatch, SamplingStats
+from localtinker.engine.memory_errors import SAMPLING_REMEDY, device_memory_error
 from localtinker.engine.prefix_store import PrefixStore
 
 # Σ (prompt + samples × min(max_tokens, RESERVED_TOKENS_PER_SAMPLE)) admitted at once (a prompt's keys
@@ -59,6 +60,8 @@ class SamplingTarget:
 
 
 class SamplingBackend(Protocol):
+    device: torch.device  # where the samplers' models compute
+
     def prepare_sample(self, sampler_id: str, spec: SampleSpec) -> tuple[str, SampleSpec]:
         """Validates a request; returns (weights key, spec with defaults resolved). Raises EngineUserError."""
         ...
@@ -205,6 +208,8 @@ class SampleStream:
                 completed = action(group)
         except Exception as error:  # noqa: BLE001 - one weights group's failure must not fail the others
             keys = (group.keys if group else set()) | {p.key for p in admitted}
+            error = device_memory_error(error, f"sampling {len(keys)} requests of one sampler", self.backend.device,
+                                        SAMPLING_REMEDY)
             completed = [(key, error) for key in keys]
             if group is not None:
                 group.batch.rows.clear()

@@ -89,7 +89,7 @@ def test_running_out_of_memory_is_a_clear_user_error_and_the_server_goes_on(
     import torch
 
     from localtinker.engine import engine as engine_module
-    from localtinker.engine import sample_stream
+    from localtinker.engine import decode_batch
 
     def once(owner, name: str) -> None:
         original, calls = getattr(owner, name), []
@@ -111,8 +111,10 @@ def test_running_out_of_memory_is_a_clear_user_error_and_the_server_goes_on(
     assert failed.value.category == types.RequestErrorCategory.User
     np.testing.assert_array_equal(_logprobs(trainer), before)
     sampler = trainer.save_weights_and_get_sampling_client("oom").result()
-    once(sample_stream.SampleStream, "step")
+    once(decode_batch.DecodeBatch, "step")  # a decode step of the running batch
     params = types.SamplingParams(max_tokens=2, temperature=0.0)
-    with pytest.raises(Exception, match="requests at once ran out of cpu memory; nothing was changed"):
+    with pytest.raises(tinker.RequestFailedError, match=r"sampling 1 requests of one sampler ran out of cpu memory; "
+                                                        r"nothing was changed\. Sample fewer") as failed:
         sampler.sample(types.ModelInput.from_ints(TOKENS), 1, params).result()
+    assert failed.value.category == types.RequestErrorCategory.User
     assert len(sampler.sample(types.ModelInput.from_ints(TOKENS), 1, params).result().sequences[0].tokens) == 2

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from localtinker.engine import engine as engine_module
-from localtinker.engine import sample_stream
+from localtinker.engine import decode_batch, portable_sampling, sample_stream
 from localtinker.engine.api import AdamSpec, EngineUserError, LoraSpec, SampleSpec
+from localtinker.engine.engine import LocalEngine
 from localtinker.engine.memory_errors import DeviceMemoryError, memory_errors_named
 from tests.localtinker.engine.reference import TINY, sft_datum
 
@@ -56,7 +57,26 @@ def test_forward_backward_out_of_memory_names_the_batch_and_keeps_the_gradients(
     engine.optim_step(model_id, AdamSpec(learning_rate=0.01))
 
 
-def test_sampling_out_of_memory_fails_the_batch_clearly_and_the_next_one_runs(engine, new_id, monkeypatch):
+@pytest.mark.parametrize("portable", [False, True])
+def test_a_decode_step_out_of_memory_fails_its_requests_clearly_and_the_next_ones_run(tmp_path, new_id, monkeypatch,
+                                                                                    portable):
+    """Where a decode step runs out of memory (inside a weights group of the tuned or the portable stream), each
+    of that group's requests gets the user error; the next batch samples as usual."""
+    engine = LocalEngine(tmp_path, dtype="float32", portable=portable)
+    model_id = new_id()
+    engine.create_model(model_id, TINY, LoraSpec(rank=4, seed=1))
+    engine.create_ephemeral_sampler("oom-sampler", model_id)
+    prompt = SampleSpec(prompt_tokens=(3, 4, 5), max_tokens=3, temperature=0.0, stop_token_ids=())
+    batch_class = portable_sampling._Batch if portable else decode_batch.DecodeBatch
+    calls = out_of_memory_once(monkeypatch, batch_class, "step")
+    failed = engine.sample_batch([("oom-sampler", prompt), ("oom-sampler", prompt)])
+    assert calls and all(isinstance(result, DeviceMemoryError) for result in failed)
+    assert "sampling 2 requests of one sampler ran out of cpu memory; nothing was changed. Sample fewer" in str(failed[0])
+    results = engine.sample_batch([("oom-sampler", prompt), ("oom-sampler", prompt)])
+    assert [len(r.sequences[0].tokens) for r in results] == [3, 3]
+
+
+def test_out_of_memory_outside_a_weights_group_fails_the_step_clearly(engine, new_id, monkeypatch):
     model_id = new_id()
     engine.create_model(model_id, TINY, LoraSpec(rank=4, seed=1))
     engine.create_ephemeral_sampler("oom-sampler", model_id)
