@@ -138,3 +138,32 @@ def test_decode_graphs_agree_with_the_trainer(tmp_path):
             full = np.array(spec.prompt_tokens + tuple(sequence.tokens))
             trainer = _trainer(engine, "cuda:train:graphs", full)[len(spec.prompt_tokens) - 1 :]
             np.testing.assert_allclose(sequence.logprobs, trainer, atol=1e-4, rtol=0)
+
+
+def test_running_out_of_gpu_memory_is_a_user_error_and_the_next_step_runs(tmp_path):
+    """A real CUDA out-of-memory (the process capped a little above what it holds, the micro-batches still sized
+    by the card's free memory): the request fails as a DeviceMemoryError naming its size and the free memory,
+    the gradients accumulated before stay, and with the cap lifted the same engine trains on."""
+    from localtinker.engine.memory_errors import DeviceMemoryError
+
+    engine = LocalEngine(tmp_path, dtype="bfloat16", device="cuda")
+    model_id = "cuda:train:oom"
+    engine.create_model(model_id, TINY, LoraSpec(rank=4, seed=0))
+    rng = np.random.default_rng(0)
+    small = [sft_datum(rng, 16)]
+    engine.forward_backward(model_id, small, "cross_entropy", None, False)
+    grads = engine.lora_grads(model_id)  # copies
+    big = [sft_datum(rng, 1024) for _ in range(128)]  # 128k tokens: each 2048-token logits chunk is 400 MB
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.synchronize()
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (64 << 20)) / total)
+    try:
+        with pytest.raises(DeviceMemoryError, match=r"forward_backward of 128 datums \(\d+ tokens\) ran out of cuda"
+                                                    r".* GiB free of .*; nothing was changed"):
+            engine.forward_backward(model_id, big, "cross_entropy", None, False)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    after = engine.lora_grads(model_id)
+    assert all(after[key] is None if grad is None else torch.equal(after[key], grad) for key, grad in grads.items())
+    engine.forward_backward(model_id, small, "cross_entropy", None, False)
+    engine.optim_step(model_id, AdamSpec(learning_rate=1e-3))
