@@ -43,6 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice, one per core)"
     )
     serve.add_argument("--max-request-mb", type=int, default=64, help="largest request body accepted")
+    serve.add_argument(
+        "--session-timeout", type=float, default=ProtocolConfig.session_timeout_s, metavar="SECONDS",
+        help="release the training and sampling clients of a session not heard from for this long (the SDK "
+             "heartbeats every 10 s while its process lives; default 1800, 0 = never); checkpoints stay",
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     if args.dtype == "auto":
@@ -61,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     storage = args.storage.expanduser().resolve()
     storage.mkdir(parents=True, exist_ok=True)
-    config = ProtocolConfig(api_key=args.api_key, max_request_bytes=args.max_request_mb * 1024 * 1024)
+    config = ProtocolConfig(api_key=args.api_key, max_request_bytes=args.max_request_mb * 1024 * 1024,
+                            session_timeout_s=args.session_timeout)
     sock = bind_socket(args.host, args.port)
     engine = build_engine(storage, args.dtype, args.threads, device=args.device)
     service = LocalTinkerService(engine, storage, config)

@@ -25,7 +25,8 @@ _CONSOLE = "returns a URL of the hosted Tinker console (computed client-side; th
 _JWT = "identity comes from hosted Tinker's JWT auth; localtinker uses a plain API key"
 
 SDK_METHODS: dict[str, tuple[str, str]] = {
-    "ServiceClient.close": (WORKS, _SESSIONS),
+    "ServiceClient.close": (WORKS, "tests/localtinker/test_sdk_session_release.py (the session's clients are released, "
+                                   "as after --session-timeout without a heartbeat; checkpoints stay)"),
     "ServiceClient.copy_weights": (HOSTED, _PROJECTS),
     "ServiceClient.create_custom_loss": (WORKS, _CUSTOM + " (the traced loss runs client-side)"),
     "ServiceClient.create_lora_training_client": (WORKS, _TRAINING),

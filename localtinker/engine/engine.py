@@ -238,6 +238,16 @@ class LocalEngine:
             if model is not None:
                 self._hosts[model.base_name].adapters.delete_adapter(model.adapter)
 
+    def release(self, model_ids: list[str], sampler_ids: list[str]) -> None:
+        """Frees a finished session's training models (adapter, optimizer state, snapshots) and samplers;
+        their checkpoints stay on disk."""
+        with self._lock:
+            for model_id in model_ids:
+                self.unload_model(model_id)
+                self.snapshots.drop_model(model_id)
+            for sampler_id in sampler_ids:
+                self._samplers.pop(sampler_id, None)
+
     # ----- training -----------------------------------------------------------------------------
 
     def forward_backward(

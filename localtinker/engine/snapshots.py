@@ -80,6 +80,13 @@ class SnapshotStore:
     def __contains__(self, number: int) -> bool:
         return number in self._snapshots
 
+    def drop_model(self, model_id: str) -> None:
+        """Forgets every snapshot of ``model_id`` (a released training model), files included."""
+        for number in [n for n, snapshot in self._snapshots.items() if snapshot.model_id == model_id]:
+            dropped = self._snapshots.pop(number)
+            if dropped.file is not None:
+                dropped.file.unlink(missing_ok=True)
+
     def _drop_oldest_of(self, model_id: str) -> None:
         numbers = [number for number, snapshot in self._snapshots.items() if snapshot.model_id == model_id]
         for number in numbers[: -self.per_model]:

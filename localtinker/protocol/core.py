@@ -36,7 +36,7 @@ from . import json_codec as jc
 from .downloads import SignedDownloads
 from .errors import OversizedBody, ProtocolError, bad_request, not_found
 from .futures import FutureStore, Payload
-from .registry import Registry, TraceEvent
+from .registry import Registry, SessionRecord, TraceEvent
 from .worker import EngineWorker, Job, SampleJob, SequenceError
 
 logger = logging.getLogger("localtinker.protocol")
@@ -62,6 +62,9 @@ class ProtocolConfig:
     download_url_ttl_s: float = 3600.0
     # Extra ClientConfigResponse flags sent to SDKs (e.g. a small fwdbwd_max_chunk_len in tests).
     client_config: dict[str, Any] = field(default_factory=dict)
+    # A session not heard from for this long (the SDK heartbeats every 10 s while its process lives) is expired
+    # and its training and sampling clients released, as a finished one's are; 0 = never.
+    session_timeout_s: float = 1800.0
 
 
 def error_response(status: int, message: str, category: str = "user") -> JSONResponse:
@@ -149,6 +152,55 @@ class ServiceCore:
 
     def close(self) -> None:
         self.worker.stop()
+
+    # ---- sessions: finishing, expiring, releasing ---------------------------------------------------------
+
+    def finish_session(self, session: SessionRecord, reason: str) -> None:
+        """Marks ``session`` finished (first reason wins) and releases its training and sampling clients: the
+        engine frees their adapters, optimizer state and snapshots; checkpoints stay."""
+        if session.finished is not None:
+            return
+        session.finished = reason
+        models, samplers = self.registry.session_models(session.session_id), self.registry.session_samplers(session.session_id)
+        gone = self.session_gone(session.session_id)
+        for model_id in models:
+            self.registry.drop_model(model_id)
+            self.worker.forget_model(model_id, str(gone))
+        if models or samplers:
+            logger.info("session %s %s: releasing %d training and %d sampling clients", session.session_id,
+                        self._finish_phrase(reason), len(models), len(samplers))
+            self.worker.submit_control(Job(f"release session {session.session_id}",
+                                           lambda engine: engine.release(models, samplers), _ignore, _log_release_error))
+
+    def expire_silent_sessions(self) -> None:
+        """Finishes, as ``expired``, the sessions silent for longer than ``session_timeout_s`` (a client whose
+        process died never says goodbye): without it a long-running server keeps their state forever."""
+        if self.config.session_timeout_s <= 0:
+            return
+        for session in self.registry.silent_sessions(self.config.session_timeout_s):
+            self.finish_session(session, "expired")
+
+    def session_gone(self, session_id: str) -> ProtocolError | None:
+        """A 410 naming why, when ``session_id`` has finished; None while it is open (or unknown)."""
+        session = self.registry.session(session_id)
+        if session is None or session.finished is None:
+            return None
+        return ProtocolError(
+            410,
+            f"session {session_id} {self._finish_phrase(session.finished)}; its training and sampling clients were "
+            "released (checkpoints stay). Start a new ServiceClient; continue training from a checkpoint with "
+            "create_training_client_from_state(<tinker:// path>).",
+        )
+
+    def check_session_open(self, session_id: str) -> None:
+        gone = self.session_gone(session_id)
+        if gone is not None:
+            raise gone
+
+    def _finish_phrase(self, reason: str) -> str:
+        if reason == "expired":
+            return f"expired (no heartbeat for {self.config.session_timeout_s:g} s)"
+        return f"has finished ({reason})"
 
     # ---- routes and refusals ----------------------------------------------------------------------------
 
@@ -310,6 +362,7 @@ class ServiceCore:
         encode: Callable[[Any], Payload],
     ) -> JSONResponse:
         if not self.worker.has_model(model_id):
+            self.check_session_open(session_of(model_id))
             raise not_found(
                 f"{kind}: unknown model_id {model_id!r}; create it with create_lora_training_client or "
                 "create_training_client_from_state (models do not survive a server restart; checkpoints do)"
@@ -334,3 +387,11 @@ class ServiceCore:
         """A request refused after its seq_id was read: free the slot so later requests still run."""
         self.worker.skip_model_seq(model_id, seq_id)
         return error
+
+
+def _ignore(_: Any) -> None:
+    pass
+
+
+def _log_release_error(error: BaseException) -> None:
+    logger.warning("releasing a finished session's clients failed: %s: %s", type(error).__name__, error)

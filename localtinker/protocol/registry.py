@@ -44,7 +44,9 @@ class SessionRecord:
     session_id: str
     created_at: float
     last_heartbeat: float
-    finished: str | None = None  # the client's finish reason: success | errored | interrupted
+    finished: str | None = None  # the client's finish reason: success | errored | interrupted, or expired
+    # when the session was last heard from (monotonic: a suspended machine's sleep does not count as silence)
+    last_seen: float = field(default_factory=time.monotonic)
     user_metadata: dict[str, str] = field(default_factory=dict)
     display_name: str | None = None
     events: deque[TraceEvent] = field(default_factory=lambda: deque(maxlen=TRACE_EVENTS_PER_SESSION))
@@ -117,6 +119,18 @@ class Registry:
         prefix = f"{session_id}:train:"
         with self._lock:
             return sorted(k for k in {*self.runs, *self.models} if k.startswith(prefix))
+
+    def session_models(self, session_id: str) -> list[str]:
+        """The session's training models still registered (not its past runs)."""
+        prefix = f"{session_id}:train:"
+        with self._lock:
+            return sorted(k for k in self.models if k.startswith(prefix))
+
+    def silent_sessions(self, timeout_s: float) -> list[SessionRecord]:
+        """Sessions not finished and not heard from for longer than ``timeout_s``."""
+        now = time.monotonic()
+        with self._lock:
+            return [s for s in self.sessions.values() if s.finished is None and now - s.last_seen > timeout_s]
 
     def session_samplers(self, session_id: str) -> list[str]:
         prefix = f"{session_id}:sample:"

@@ -171,15 +171,17 @@ class EngineWorker:
         with self._cond:
             return model_id in self._models
 
-    def forget_model(self, model_id: str) -> None:
+    def forget_model(self, model_id: str, why: str | None = None) -> None:
+        """Drops ``model_id``'s queue; its queued requests fail with ``why`` (default: it was not created)."""
         with self._cond:
             queue = self._models.pop(model_id, None)
             if model_id in self._model_order:
                 self._model_order.remove(model_id)
             self._fair.forget(model_id)
+        message = why or f"model {model_id} was not created; its queued requests are dropped"
         for job in (queue.waiting.values() if queue else ()):
             if isinstance(job, Job):
-                _safely(job.on_error, EngineUserError(f"model {model_id} was not created; its queued requests are dropped"))
+                _safely(job.on_error, EngineUserError(message))
 
     def submitted_request(self, model_id: str, seq_id: int | None) -> str | None:
         """The request id already given to ``(model_id, seq_id)``: a retried submission is not run twice."""

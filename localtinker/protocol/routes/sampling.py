@@ -10,7 +10,7 @@ from localtinker.engine.api import SampleExtras, SampleResult
 
 from .. import json_codec as jc
 from .. import proto_codec
-from ..core import ServiceCore
+from ..core import ServiceCore, session_of_sampler
 from ..errors import bad_request, not_found
 from ..futures import Payload
 from ..registry import SamplerRecord
@@ -44,6 +44,7 @@ class SamplingRoutes:
                 "tinker://<run_id>/sampler_weights/<name> (or weights/<name>) checkpoint instead"
             )
         sampler_id = f"{session_id}:sample:{sampler_seq}"
+        self.core.check_session_open(session_id)
         if self.core.registry.sampler(sampler_id) is None:
             resolved = await self.core.on_worker(
                 f"{endpoint} {sampler_id}", lambda e: e.create_sampler(sampler_id, base_model, model_path)
@@ -65,6 +66,7 @@ class SamplingRoutes:
         body = await core.json(request, "asample")
         sampler_id = jc.field(body, "sampling_session_id", str, "asample")
         seq_id = jc.field(body, "seq_id", int, "asample", default=None)
+        core.check_session_open(session_of_sampler(sampler_id))  # a finished session's samplers were released
         if core.registry.sampler(sampler_id) is None:
             raise not_found(f"asample: unknown sampling_session_id {sampler_id!r}; create a sampling client first")
         if seq_id is not None and (sampler_id, seq_id) in self._sample_requests:

@@ -13,7 +13,7 @@ from starlette.routing import Route
 from localtinker.engine.api import Engine, LoraSpec, ModelInfo
 
 from .. import json_codec as jc
-from ..core import ServiceCore, error_response
+from ..core import ServiceCore, error_response, session_of
 from ..errors import ProtocolError, bad_request, not_found
 from ..futures import Payload
 from ..registry import ModelRecord, RunRecord
@@ -63,6 +63,7 @@ class SessionRoutes:
         body = await self.core.json(request, "create_session")
         metadata = body.get("user_metadata")
         display_name = body.get("display_name")
+        self.core.expire_silent_sessions()
         record = self.core.registry.new_session(
             {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else None,
             display_name if isinstance(display_name, str) and display_name else None,
@@ -72,18 +73,20 @@ class SessionRoutes:
     async def session_heartbeat(self, request: Request) -> Response:
         body = await self.core.json(request, "session_heartbeat")
         session = self.core.registry.session(str(body.get("session_id")))
-        if session is not None and session.finished:
-            return error_response(410, f"session {session.session_id} has finished ({session.finished})")
-        if session is not None:
-            session.last_heartbeat = time.time()
+        if session is not None and session.finished is None:
+            session.last_heartbeat, session.last_seen = time.time(), time.monotonic()
+        self.core.expire_silent_sessions()
+        gone = self.core.session_gone(session.session_id) if session is not None else None
+        if gone is not None:  # the SDK stops heartbeating on a 410
+            return error_response(gone.status, gone.message)
         return JSONResponse({"type": "session_heartbeat"})
 
     async def finish_session(self, request: Request) -> Response:
         body = await self.core.json(request, "sessions/finish")
         session = self.core.registry.session(request.path_params["session_id"])
-        if session is not None and session.finished is None:
+        if session is not None:
             reason = body.get("reason")
-            session.finished = str(reason.get("type")) if isinstance(reason, dict) else "success"
+            self.core.finish_session(session, str(reason.get("type")) if isinstance(reason, dict) else "success")
         return JSONResponse({})
 
     async def telemetry(self, request: Request) -> Response:
@@ -128,12 +131,13 @@ class SessionRoutes:
         )
         return ModelRecord(model_id=model_id, create_request_id=request_id, run=run)
 
-    @staticmethod
-    def _model_id_from(body: dict[str, Any], endpoint: str) -> str:
+    def _model_id_from(self, body: dict[str, Any], endpoint: str) -> str:
+        """The new training model's id; a 410 when its session has finished (no new clients in it)."""
         session_id = jc.field(body, "session_id", str, endpoint)
         model_seq_id = jc.field(body, "model_seq_id", int, endpoint)
         if model_seq_id < 0:
             raise bad_request(f"{endpoint}: model_seq_id={model_seq_id} must be >= 0")
+        self.core.check_session_open(session_id)
         return f"{session_id}:train:{model_seq_id}"
 
     def _queue_model_creation(
@@ -187,6 +191,7 @@ class SessionRoutes:
         model_id = jc.field(body, "model_id", str, "get_info")
         record = self.core.registry.model(model_id)
         if record is None:
+            self.core.check_session_open(session_of(model_id))
             raise not_found(f"get_info: unknown model_id {model_id!r}")
         info = record.info or await self.core.on_worker("get_info", lambda e: e.get_info(model_id))
         return JSONResponse(

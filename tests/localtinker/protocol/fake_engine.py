@@ -209,6 +209,13 @@ class FakeEngine:
         self.samplers[sampler_id] = self._model(model_id).bias.copy()
         return BASE_MODEL
 
+    def release(self, model_ids: list[str], sampler_ids: list[str]) -> None:
+        self._log("release", tuple(model_ids), tuple(sampler_ids))
+        for model_id in model_ids:
+            self.models.pop(model_id, None)
+        for sampler_id in sampler_ids:
+            self.samplers.pop(sampler_id, None)
+
     def sample_batch(self, requests: list[tuple[str, SampleSpec]]) -> list[SampleResult | Exception]:
         self._log("sample_batch", len(requests))
         self.sample_batch_sizes.append(len(requests))
