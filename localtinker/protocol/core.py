@@ -12,6 +12,7 @@ import datetime as dt
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,9 @@ class ProtocolConfig:
     # A session not heard from for this long (the SDK heartbeats every 10 s while its process lives) is expired
     # and its training and sampling clients released, as a finished one's are; 0 = never.
     session_timeout_s: float = 1800.0
+    # Finished sessions whose request traces are kept for export (up to 20,000 events, ~3 MB, each); older ones'
+    # are dropped, so a long-running server does not hold every past session's trace.
+    finished_traces_kept: int = 64
 
 
 def error_response(status: int, message: str, category: str = "user") -> JSONResponse:
@@ -149,6 +153,7 @@ class ServiceCore:
             sample_linger_max_s=config.sample_linger_max_s,
         )
         self.worker.start()
+        self._finished: deque[SessionRecord] = deque()  # finished sessions whose traces are kept, oldest first
 
     def close(self) -> None:
         self.worker.stop()
@@ -161,6 +166,11 @@ class ServiceCore:
         if session.finished is not None:
             return
         session.finished = reason
+        self._finished.append(session)
+        while len(self._finished) > self.config.finished_traces_kept:
+            dropped = self._finished.popleft()
+            dropped.events.clear()
+            dropped.trace_dropped = True
         models, samplers = self.registry.session_models(session.session_id), self.registry.session_samplers(session.session_id)
         gone = self.session_gone(session.session_id)
         for model_id in models:

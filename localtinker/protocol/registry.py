@@ -50,6 +50,7 @@ class SessionRecord:
     user_metadata: dict[str, str] = field(default_factory=dict)
     display_name: str | None = None
     events: deque[TraceEvent] = field(default_factory=lambda: deque(maxlen=TRACE_EVENTS_PER_SESSION))
+    trace_dropped: bool = False  # its events were dropped to bound memory (ServiceCore.finish_session)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A finished or silent session's training and sampling clients are released (a long-running server does not
 keep every past script's adapter and optimizer state); its checkpoints stay, and requests naming its clients get
-a 410 that says why and how to go on."""
+a 410 that says why and how to go on. Only the newest finished sessions keep their request traces."""
 
 from __future__ import annotations
 
@@ -122,3 +122,24 @@ def test_any_finish_reason_releases(tinker_server: RunningServer, reason: str) -
     _wait_for(lambda: trainer.model_id not in tinker_server.engine._models)
     status, body = _post(tinker_server, "get_info", {"model_id": trainer.model_id})
     assert status == 410 and f"has finished ({reason})" in body["error"]
+
+
+def test_only_the_newest_finished_sessions_keep_their_traces(tmp_path: Path) -> None:
+    """Each session's trace holds up to 20,000 requests; a long-running server keeps the traces of the newest
+    ``finished_traces_kept`` finished sessions and says so for older ones."""
+    config = ProtocolConfig(api_key=LOCAL_API_KEY, finished_traces_kept=1)
+    with start_server(tmp_path, dtype="float32", config=config) as server:
+        sessions = []
+        for _ in range(2):
+            client = tinker.ServiceClient(base_url=server.base_url, api_key=LOCAL_API_KEY)
+            trainer = client.create_lora_training_client(base_model=TINY_MODEL, rank=2).result()
+            trainer.forward_backward([DATUM], "cross_entropy").result()
+            sessions.append(client.holder.get_session_id())
+            client.close("success").result(timeout=60)
+        rest = tinker.RestClient(base_url=server.base_url, api_key=LOCAL_API_KEY)
+        with urllib.request.urlopen(rest.export_session_trace(sessions[1]).result(), timeout=10) as response:
+            assert any(e.get("name") == "forward_backward" for e in json.load(response)["traceEvents"])
+        with pytest.raises(tinker.APIStatusError, match="was dropped: localtinker keeps the traces of the 1 most "
+                                                        "recently finished sessions"):
+            rest.export_session_trace(sessions[0]).result()
+        assert rest.get_session(sessions[0]).result().training_run_ids  # the session itself is still listed

@@ -22,7 +22,7 @@ from localtinker.engine.api import CheckpointInfo
 
 from ..core import ServiceCore, iso, page
 from ..downloads import DOWNLOADS
-from ..errors import bad_request, not_found
+from ..errors import ProtocolError, bad_request, not_found
 from ..registry import SessionRecord
 
 LOCAL_OWNER = "local"
@@ -170,6 +170,13 @@ class SessionInfoRoutes:
     async def trace_export(self, request: Request) -> Response:
         """Built at once (the SDK polls until ``ready``); served through a signed URL like external weights."""
         session = self._session(request)
+        if session.trace_dropped:
+            raise ProtocolError(
+                410,
+                f"the trace of session {session.session_id} was dropped: localtinker keeps the traces of the "
+                f"{self.core.config.finished_traces_kept} most recently finished sessions (export a trace before "
+                "that many more finish)",
+            )
         self._trace_dir.mkdir(parents=True, exist_ok=True)
         target = self._trace_dir / f"{session.session_id}.json"
         staging = target.with_suffix(f".{time.monotonic_ns()}.tmp")
