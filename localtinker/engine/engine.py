@@ -51,7 +51,7 @@ from localtinker.engine.heap import keep_freed_memory
 from localtinker.engine.logprobs import token_logprobs_tracking
 from localtinker.engine.lora import AdapterHost, validate_lora_spec
 from localtinker.engine.memory_errors import SAMPLING_REMEDY, memory_errors_named
-from localtinker.engine.losses import LOSSES, PER_TOKEN_LOSSES, gradient_tokens, resolve_loss_config
+from localtinker.engine.losses import DATUM_OF_TOKEN, LOSSES, gradient_tokens, resolve_loss_config
 from localtinker.engine.models import DTYPES, TINY_RANDOM_NAME, BaseModel, load_base_model, portable_base_model
 from localtinker.engine.optimizer import AdamState, adamw_step, validate_adam
 from localtinker.engine.packaged import SMOLLM2_NAME
@@ -382,27 +382,17 @@ class LocalEngine:
     def _losses(batches: Iterator[LogprobBatch], datums: list[PreparedDatum], loss_fn: str, config,
                 backward: bool) -> ForwardBackwardResult:
         """``loss_fn`` on each micro-batch's logprobs (back-propagated micro-batch by micro-batch when
-        ``backward``): per-datum logprobs and elementwise losses, and the summed loss. A per-token loss runs
-        once over the micro-batch's datums laid end to end, with one copy to the host: an RL batch of
-        thousands of short datums would otherwise pay a dozen kernels and two device syncs per datum."""
+        ``backward``): per-datum logprobs and elementwise losses, and the summed loss. The loss runs once over
+        the micro-batch's datums laid end to end, with one copy to the host: an RL batch of thousands of short
+        datums would otherwise pay a dozen kernels and two device syncs per datum."""
         loss_function = LOSSES[loss_fn]
         outputs: list[dict[str, np.ndarray]] = [{} for _ in datums]
         total = 0.0
         for batch in batches:
             indices = list(batch.datum_rows)
-            if loss_fn in PER_TOKEN_LOSSES:
-                lp, elementwise = _per_token_loss(batch, [datums[i] for i in indices], loss_function, config)
-                batch_loss = elementwise.sum()
-                lengths = [len(batch.datum_rows[i]) for i in indices]
-            else:
-                lps, losses = [], []
-                for index in indices:
-                    inputs = {k: v.to(batch.logprobs.device) for k, v in datums[index].loss_inputs.items()}
-                    lps.append(batch.logprobs[batch.datum_rows[index].to(batch.logprobs.device)])
-                    losses.append(loss_function(lps[-1], inputs, config))
-                lp, elementwise = torch.cat(lps), torch.cat(losses)
-                batch_loss = torch.stack([loss.sum() for loss in losses]).sum()
-                lengths = [len(loss) for loss in losses]
+            lengths = [len(batch.datum_rows[i]) for i in indices]
+            lp, elementwise = _micro_batch_loss(batch, [datums[i] for i in indices], lengths, loss_function, config)
+            batch_loss = elementwise.sum()
             if backward:
                 batch_loss.backward()
             host_lp = lp.detach().float().cpu().numpy().copy()  # owned, not a view of a tensor's memory
@@ -718,14 +708,16 @@ class LocalEngine:
         return {"base_model": model.base_name, "lora": model.lora.__dict__, "step": model.adam.step}
 
 
-def _per_token_loss(batch: LogprobBatch, datums: list[PreparedDatum], loss_function, config
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A per-token loss over ``datums`` (the batch's, in its order) laid end to end: (their logprobs, the
-    elementwise loss), one gather and one kernel per operation of the loss."""
-    rows = torch.cat(list(batch.datum_rows.values()))
-    lp = batch.logprobs[rows.to(batch.logprobs.device, non_blocking=True)]
-    keys = datums[0].loss_inputs.keys()
-    inputs = {key: torch.cat([d.loss_inputs[key] for d in datums]).to(lp.device, non_blocking=True) for key in keys}
+def _micro_batch_loss(batch: LogprobBatch, datums: list[PreparedDatum], lengths: list[int], loss_function, config
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss over ``datums`` (the batch's, in its order, of ``lengths`` tokens) laid end to end: (their
+    logprobs, the elementwise loss), one gather and one kernel per operation of the loss."""
+    device = batch.logprobs.device
+    lp = batch.logprobs[torch.cat(list(batch.datum_rows.values())).to(device, non_blocking=True)]
+    inputs = {key: torch.cat([d.loss_inputs[key] for d in datums]).to(device, non_blocking=True)
+              for key in datums[0].loss_inputs}
+    inputs[DATUM_OF_TOKEN] = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(
+        device, non_blocking=True)
     return lp, loss_function(lp, inputs, config)
 
 

@@ -18,6 +18,10 @@ import torch
 from localtinker.engine.api import SUPPORTED_LOSSES, EngineUserError
 
 LossInputs = dict[str, torch.Tensor]
+# The engine runs a loss once over a micro-batch's datums laid end to end (one kernel per operation, not one per
+# datum); for that call this input holds each token's datum index, 0, 1, ... in order (int64 [T]). Only GSPO,
+# whose ratio is a mean over each sequence, reads it.
+DATUM_OF_TOKEN = "_datum_of_token"
 
 CONFIG_DEFAULTS: dict[str, dict[str, float | None]] = {
     "cross_entropy": {},
@@ -96,10 +100,18 @@ def dro(lp: torch.Tensor, inputs: LossInputs, config: dict[str, float]) -> torch
 
 
 def gspo(lp: torch.Tensor, inputs: LossInputs, config: dict[str, float]) -> torch.Tensor:
-    """GSPO-token: every token carries the sequence ratio s = exp(mean over the mask of lp − q) as its
-    value, with the gradient of its own lp (s_t = sg(s)·exp(lp_t − sg(lp_t))), clipped like PPO."""
-    in_ratio = inputs["sequence_ratio_mask"] != 0
-    sequence_log_ratio = (lp.detach() - inputs["logprobs"])[in_ratio].mean()
+    """GSPO-token: every token carries its sequence's ratio s = exp(mean over the mask of lp − q) as its
+    value, with the gradient of its own lp (s_t = sg(s)·exp(lp_t − sg(lp_t))), clipped like PPO. Over several
+    datums laid end to end, ``inputs[DATUM_OF_TOKEN]`` says which datum (sequence) each token belongs to."""
+    in_ratio = (inputs["sequence_ratio_mask"] != 0).to(lp.dtype)
+    deviation = (lp.detach() - inputs["logprobs"]) * in_ratio
+    datum = inputs.get(DATUM_OF_TOKEN)
+    if datum is None:
+        sequence_log_ratio = deviation.sum() / in_ratio.sum()
+    else:
+        slots = len(datum)  # at least one token per datum: enough slots, with no count read back from the device
+        sums = lp.new_zeros(slots).index_add_(0, datum, deviation)
+        sequence_log_ratio = (sums / lp.new_zeros(slots).index_add_(0, datum, in_ratio))[datum]
     ratio = torch.exp(sequence_log_ratio + lp - lp.detach())
     clipped = ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
     advantages = inputs["advantages"]
@@ -117,10 +129,6 @@ def gradient_tokens(loss_fn: str, inputs: LossInputs, config: dict[str, float]) 
         return torch.ones_like(inputs["advantages"], dtype=torch.bool)
     return inputs["advantages"] != 0
 
-
-# Losses whose value at a token depends on that token alone: the engine computes them over a whole micro-batch's
-# tokens at once (one kernel per operation, not one per datum). GSPO's sequence ratio needs each datum apart.
-PER_TOKEN_LOSSES = frozenset({"cross_entropy", "importance_sampling", "ppo", "cispo", "dro"})
 
 LOSSES: dict[str, Callable[[torch.Tensor, LossInputs, dict[str, float]], torch.Tensor]] = {
     "cross_entropy": cross_entropy,

@@ -264,3 +264,27 @@ def test_gspo_needs_a_non_empty_sequence_ratio_mask(engine, trained):
     empty = DatumArrays(datum.tokens, {**datum.loss_fn_inputs, "sequence_ratio_mask": np.zeros(12, np.float32)})
     with pytest.raises(EngineUserError, match="marks no token"):
         engine.forward_backward(trained, [empty], "gspo", None, False)
+
+
+def test_gspo_over_datums_laid_end_to_end_equals_gspo_on_each():
+    """The engine runs a loss once per micro-batch; GSPO then takes each sequence's ratio from its own tokens."""
+    from localtinker.engine.losses import DATUM_OF_TOKEN, gspo
+
+    rng = np.random.default_rng(4)
+    config = {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}
+    datums = []
+    for length in (3, 6, 1):
+        inputs = {key: torch.tensor(rng.normal(size=length), dtype=torch.float32) for key in ("logprobs", "advantages")}
+        inputs["sequence_ratio_mask"] = torch.tensor(rng.random(length) < 0.7, dtype=torch.float32)
+        inputs["sequence_ratio_mask"][0] = 1.0
+        datums.append((torch.tensor(rng.normal(size=length), dtype=torch.float32, requires_grad=True), inputs))
+    each = torch.cat([gspo(lp, inputs, config) for lp, inputs in datums])
+    joined = {key: torch.cat([inputs[key] for _, inputs in datums]) for key in datums[0][1]}
+    joined[DATUM_OF_TOKEN] = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1, 2])
+    lp = torch.cat([lp for lp, _ in datums])
+    together = gspo(lp, joined, config)
+    torch.testing.assert_close(together, each)
+    grads = [torch.autograd.grad(value.sum(), [d[0] for d in datums]) for value in (each, together)]
+    for ours, theirs in zip(*grads):
+        torch.testing.assert_close(ours, theirs)
+    assert not torch.allclose(together, gspo(lp, {k: v for k, v in joined.items() if k != DATUM_OF_TOKEN}, config))
