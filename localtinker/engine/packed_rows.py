@@ -93,6 +93,6 @@ def packed_rows(decoder: torch.nn.Module, indices: list[int], tokens: list[torch
                 input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
                 cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=longest, max_length_k=longest,
             ).last_hidden_state[0]
-    # On the host: the loss gathers them in one copy (engine._per_token_loss), not one arange kernel per datum.
+    # On the host: the loss gathers them in one copy (engine._micro_batch_loss), not one arange kernel per datum.
     datum_rows = {index: torch.arange(int(bounds[k]), int(bounds[k + 1])) for k, index in enumerate(indices)}
     return TokenRows(hidden, torch.cat([targets[i] for i in indices]).to(device, non_blocking=True), datum_rows)

@@ -10,6 +10,7 @@ gets a clear error.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -20,6 +21,8 @@ from pathlib import Path
 import torch
 
 from localtinker.engine.api import UnknownModelError
+
+logger = logging.getLogger("localtinker.engine")
 
 
 @dataclass
@@ -82,27 +85,36 @@ class SnapshotStore:
 
     def drop_model(self, model_id: str) -> None:
         """Forgets every snapshot of ``model_id`` (a released training model), files included."""
-        for number in [n for n, snapshot in self._snapshots.items() if snapshot.model_id == model_id]:
-            dropped = self._snapshots.pop(number)
-            if dropped.file is not None:
-                dropped.file.unlink(missing_ok=True)
+        for number in self._numbers_of(model_id):
+            self._drop(number)
+
+    def _numbers_of(self, model_id: str) -> list[int]:
+        return [number for number, snapshot in self._snapshots.items() if snapshot.model_id == model_id]
 
     def _drop_oldest_of(self, model_id: str) -> None:
-        numbers = [number for number, snapshot in self._snapshots.items() if snapshot.model_id == model_id]
-        for number in numbers[: -self.per_model]:
-            dropped = self._snapshots.pop(number)
-            if dropped.file is not None:
-                dropped.file.unlink(missing_ok=True)
+        for number in self._numbers_of(model_id)[: -self.per_model]:
+            self._drop(number)
+
+    def _drop(self, number: int) -> None:
+        dropped = self._snapshots.pop(number)
+        if dropped.file is not None:
+            dropped.file.unlink(missing_ok=True)
 
     def _spill_beyond_budget(self) -> None:
         """Writes the oldest in-memory snapshots to disk until the rest fit the budget; the newest one always
-        stays in memory (it is the one about to be sampled)."""
+        stays in memory (it is the one about to be sampled). A snapshot that cannot be written (a full disk)
+        stays in memory: the budget is exceeded rather than the request failed."""
         held = [snapshot for snapshot in self._snapshots.values() if snapshot.weights is not None]
         total = sum(snapshot.nbytes for snapshot in held)
         for snapshot in held[:-1]:
             if total <= self.memory_bytes:
                 return
-            snapshot.file = self._write(snapshot)
+            try:
+                snapshot.file = self._write(snapshot)
+            except OSError as error:
+                logger.warning("snapshots: could not spill snapshot %d to %s (%s); keeping it in memory",
+                               snapshot.number, self.directory, error)
+                return
             snapshot.weights = None
             total -= snapshot.nbytes
 
@@ -110,8 +122,12 @@ class SnapshotStore:
         """Writes under a temporary name and renames, so no reader ever sees a half-written file."""
         file = self.directory / f"{snapshot.number}.pt"
         partial = file.with_suffix(".partial")
-        torch.save(snapshot.weights, partial)
-        os.replace(partial, file)
+        try:
+            torch.save(snapshot.weights, partial)
+            os.replace(partial, file)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
         return file
 
 

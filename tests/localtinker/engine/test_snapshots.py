@@ -114,3 +114,18 @@ def test_an_unchanged_model_reuses_its_snapshot(engine, new_id):
     train_steps(engine, model_id, [2])
     engine.create_ephemeral_sampler("third", model_id)
     assert engine._sampler("third").snapshot != engine._sampler("first").snapshot
+
+
+def test_a_snapshot_that_cannot_be_spilled_stays_in_memory(tmp_path, monkeypatch):
+    """A full disk exceeds the budget instead of failing the sampling client's creation, and leaves no partial file."""
+    store = SnapshotStore(tmp_path, per_model=8, memory_bytes=0)
+    first = store.add("m", 0, weights(1), LAYOUT)
+
+    def full_disk(obj, path):
+        open(path, "wb").write(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    second = store.add("m", 1, weights(2), LAYOUT)
+    assert store.in_memory(first) and store.in_memory(second) and files(store) == []
+    assert torch.equal(store.load(first)[0]["a"], weights(1)["a"])
