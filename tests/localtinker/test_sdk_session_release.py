@@ -16,7 +16,8 @@ from tinker import types
 
 from localtinker.protocol.core import ProtocolConfig
 from localtinker.server import RunningServer, start_server
-from tests.fixtures.server import LOCAL_API_KEY, TINY_MODEL
+from tests.fixtures.network import free_port
+from tests.fixtures.server import LOCAL_API_KEY, TINY_MODEL, serve_subprocess
 
 DATUM = types.Datum(
     model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0] * 3}
@@ -143,3 +144,21 @@ def test_only_the_newest_finished_sessions_keep_their_traces(tmp_path: Path) -> 
                                                         "recently finished sessions"):
             rest.export_session_trace(sessions[0]).result()
         assert rest.get_session(sessions[0]).result().training_run_ids  # the session itself is still listed
+
+
+def test_the_serve_command_takes_the_session_timeout(tmp_path: Path) -> None:
+    """``python -m localtinker serve --session-timeout 1``: a session silent for over a second is released when
+    another one starts."""
+    with serve_subprocess(tmp_path, free_port(), "--session-timeout", "1") as base_url:
+        with tinker.ServiceClient(base_url=base_url, api_key=LOCAL_API_KEY) as client:
+            trainer = client.create_lora_training_client(base_model=TINY_MODEL, rank=2).result()
+            time.sleep(1.5)
+            with tinker.ServiceClient(base_url=base_url, api_key=LOCAL_API_KEY) as other:
+                other.create_lora_training_client(base_model=TINY_MODEL, rank=2).result()
+            request = urllib.request.Request(
+                f"{base_url}/api/v1/get_info", data=json.dumps({"model_id": trainer.model_id}).encode(),
+                method="POST", headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as failed:
+                urllib.request.urlopen(request, timeout=30)
+            assert failed.value.code == 410
+            assert "expired (no heartbeat for 1 s)" in json.loads(failed.value.read())["error"]
