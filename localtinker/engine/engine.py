@@ -247,6 +247,18 @@ class LocalEngine:
                 self.snapshots.drop_model(model_id)
             for sampler_id in sampler_ids:
                 self._samplers.pop(sampler_id, None)
+            self._evict_unreferenced_adapters()
+
+    def _evict_unreferenced_adapters(self) -> None:
+        """Sampler adapters (and their merged copies) that no remaining sampler points at leave memory now,
+        rather than when the resident set next needs their slot."""
+        live = {sampler.weights_key for sampler in self._samplers.values()}
+        for host in self._hosts.values():
+            for key, name in list(host.resident.items()):
+                if key not in live and not host.held[name]:
+                    del host.resident[key]
+                    host.merged.pop(name, None)
+                    host.adapters.delete_adapter(name)
 
     # ----- training -----------------------------------------------------------------------------
 

@@ -63,10 +63,14 @@ def test_a_finished_sessions_clients_are_released_and_its_checkpoints_stay(tinke
     client, trainer, sampler_id, state = _trained_client(tinker_server)
     model_id = trainer.model_id
     assert model_id in engine._models and sampler_id in engine._samplers
+    key = engine._samplers[sampler_id].weights_key
+    assert key in engine._hosts[TINY_MODEL].resident  # the snapshot it sampled is a resident adapter
     assert engine.snapshots.find(model_id, engine._models[model_id].version) is not None
     client.close("success").result(timeout=60)
 
-    _wait_for(lambda: model_id not in engine._models and sampler_id not in engine._samplers)  # the worker releases
+    resident = engine._hosts[TINY_MODEL].resident
+    _wait_for(lambda: model_id not in engine._models and sampler_id not in engine._samplers  # the worker releases
+              and key not in resident)  # the adapter the sampler used left memory with it
     assert all(snapshot.model_id != model_id for snapshot in engine.snapshots._snapshots.values())
     status, body = _post(tinker_server, "optim_step", {"model_id": model_id, "seq_id": 99, "adam_params": {}})
     assert status == 410
