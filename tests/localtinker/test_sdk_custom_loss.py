@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import httpx
-import numpy as np
 import pytest
 import tinker
 import torch
