@@ -7,6 +7,9 @@ session and the growth per session from the second on (the first pays one-time a
 every closed session's adapter, Adam state and snapshot grew by ~215 MB per session here; the goal is a flat line
 (≤ 25 MB per session: glibc keeps freed memory for reuse, so RSS does not fall, it stops rising).
 
+Not a speed bench, so no baseline to choose: the engine runs in float32, the CPU default; what a closed session
+held (adapter, Adam moments, snapshot) is float32 in a bfloat16 engine too.
+
 Usage: ``python bench/bench_session_memory.py [--sessions 8]``
 """
 

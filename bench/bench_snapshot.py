@@ -9,8 +9,10 @@ takes a snapshot and makes it the sampler's resident adapter (``sampling_target`
 - baseline: the same, plus the snapshot's file round trip (``torch.save`` to the engine's storage disk and
   ``torch.load`` back), the work each step did before snapshots were kept in memory.
 
-``--portable`` runs the device-agnostic path a GPU runs (no merged float32 copy of the weights). Prints the
-median step of each side (first step dropped) and ``ratio = baseline / ours``.
+``--portable`` runs the device-agnostic path a GPU runs (no merged float32 copy of the weights). Both sides run
+in float32 and in bfloat16 engines in the same run (bf16 weights change the merge; the adapter and so the
+snapshot are float32 in both); each prints the median step (first step dropped), and the headline divides the
+faster baseline by ours in that dtype (``measure.dtype_headline``; goal ≥ 1.2).
 
 Usage: ``python bench/bench_snapshot.py [--rank 32] [--steps 8] [--portable]``
 """
@@ -18,6 +20,7 @@ Usage: ``python bench/bench_snapshot.py [--rank 32] [--steps 8] [--portable]``
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import tempfile
@@ -31,6 +34,7 @@ import torch
 from localtinker.engine.api import LoraSpec
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.packaged import SMOLLM2_NAME
+from measure import dtype_headline
 
 
 def step_times(engine: LocalEngine, steps: int, round_trip: Path | None) -> list[float]:
@@ -60,18 +64,24 @@ def main() -> None:
     parser.add_argument("--portable", action="store_true")
     args = parser.parse_args()
     storage = Path(tempfile.mkdtemp(prefix="bench-snapshot-"))
-    engine = LocalEngine(storage, dtype="float32", portable=args.portable)
-    engine.create_model("m", SMOLLM2_NAME, LoraSpec(rank=args.rank, seed=0))
-    megabytes = sum(p.numel() * p.element_size() for p in engine._models["m"].params.values()) / 1e6
-    print(f"SmolLM2-135M, LoRA rank {args.rank} ({megabytes:.1f} MB), {'portable' if args.portable else 'tuned CPU'} path, "
+    print(f"SmolLM2-135M, LoRA rank {args.rank}, {'portable' if args.portable else 'tuned CPU'} path, "
           f"{torch.get_num_threads()} threads", flush=True)
-    results = {}
-    for side, round_trip in (("baseline", storage / "round-trip.pt"), ("ours", None), ("baseline", storage / "round-trip.pt"),
-                             ("ours", None)):
-        results.setdefault(side, []).extend(step_times(engine, args.steps, round_trip)[1:])
-    for side, times in results.items():
-        print(f"  {side}: {statistics.median(times) * 1e3:.1f} ms per step (median of {len(times)})", flush=True)
-    print(f"  ratio: {statistics.median(results['baseline']) / statistics.median(results['ours']):.2f}x", flush=True)
+    medians: dict[tuple[str, str], float] = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = LocalEngine(storage / dtype, dtype=dtype, portable=args.portable)
+        engine.create_model("m", SMOLLM2_NAME, LoraSpec(rank=args.rank, seed=0))
+        megabytes = sum(p.numel() * p.element_size() for p in engine._models["m"].params.values()) / 1e6
+        times: dict[str, list[float]] = {}
+        for side in ("baseline", "ours", "baseline", "ours"):  # alternating
+            round_trip = storage / "round-trip.pt" if side == "baseline" else None
+            times.setdefault(side, []).extend(step_times(engine, args.steps, round_trip)[1:])
+        for side, seconds in times.items():
+            medians[(side, dtype)] = statistics.median(seconds)
+            print(f"  {dtype} engine ({megabytes:.1f} MB adapter), {side}: {medians[(side, dtype)] * 1e3:.1f} ms per "
+                  f"step (median of {len(seconds)})", flush=True)
+        del engine
+        gc.collect()
+    print(dtype_headline(medians, ">= 1.2"), flush=True)
 
 
 if __name__ == "__main__":

@@ -298,3 +298,21 @@ def headline_ratio(rates: dict[str, float], goal: str) -> str:
         if other != precision and pair[0] in rates and pair[1] is not None:
             lines.append(f"  same precision, {other}: {pair[0]} / {pair[1]} = {rates[pair[0]] / rates[pair[1]]:.2f}")
     return "\n".join(lines)
+
+
+def dtype_headline(seconds: dict[tuple[str, str], float], goal: str, cost: bool = False) -> str:
+    """For benches whose baseline is localtinker itself doing the work another way, timed in both engine
+    dtypes in one run: ``seconds[(side, dtype)]`` with side ``baseline`` or ``ours``. The headline takes the
+    dtype whose baseline is faster and divides its baseline by ours there (a speed-up), or with ``cost`` ours
+    by the baseline (what ours costs over the baseline); the other dtype's ratio is stated beside it."""
+    dtypes = sorted({dtype for _, dtype in seconds})
+    faster = min(dtypes, key=lambda dtype: seconds[("baseline", dtype)])
+
+    def ratio(dtype: str) -> float:
+        speedup = seconds[("baseline", dtype)] / seconds[("ours", dtype)]
+        return 1 / speedup if cost else speedup
+
+    name = "ours / baseline" if cost else "baseline / ours"
+    lines = [f"ratio = {name} in {faster} (the faster baseline) = {ratio(faster):.2f}x (goal {goal})"]
+    lines += [f"  {dtype}: {name} = {ratio(dtype):.2f}x" for dtype in dtypes if dtype != faster]
+    return "\n".join(lines)

@@ -137,6 +137,12 @@ class _Host:
     merged: OrderedDict = field(default_factory=OrderedDict)  # adapters with merged weights (keys), least recent first
     held: Counter = field(default_factory=Counter)  # adapter name -> decode batches using it (never evicted)
 
+    def evict(self, key: str) -> None:
+        """Drops the resident sampler adapter of weights ``key``, its merged copy with it."""
+        name = self.resident.pop(key)
+        self.merged.pop(name, None)
+        self.adapters.delete_adapter(name)
+
 
 class LocalEngine:
     def __init__(self, storage_dir: Path, dtype: str = "float32", num_threads: int | None = None,
@@ -256,9 +262,7 @@ class LocalEngine:
         for host in self._hosts.values():
             for key, name in list(host.resident.items()):
                 if key not in live and not host.held[name]:
-                    del host.resident[key]
-                    host.merged.pop(name, None)
-                    host.adapters.delete_adapter(name)
+                    host.evict(key)
 
     # ----- training -----------------------------------------------------------------------------
 
@@ -632,9 +636,7 @@ class LocalEngine:
         # Least recently used first; adapters a decode batch still uses stay (so the limit is soft).
         evictable = [k for k, name in host.resident.items() if not host.held[name] and k != key]
         while len(host.resident) > RESIDENT_SAMPLER_ADAPTERS and evictable:
-            evicted = host.resident.pop(evictable.pop(0))
-            host.merged.pop(evicted, None)
-            host.adapters.delete_adapter(evicted)
+            host.evict(evictable.pop(0))
         return adapter
 
     @staticmethod

@@ -10,6 +10,7 @@ import tinker
 from tinker import types
 
 from localtinker.server import RunningServer
+from tests.fixtures.faults import out_of_memory_once
 from tests.fixtures.server import LOCAL_API_KEY, TINY_MODEL
 
 TOKENS = [7, 70, 700, 7000, 17]
@@ -86,32 +87,19 @@ def test_running_out_of_memory_is_a_clear_user_error_and_the_server_goes_on(
 ) -> None:
     """torch's OutOfMemoryError inside the engine reaches the SDK as a user error naming the work and what to
     send instead (not an internal error); the weights are untouched and the next requests run."""
-    import torch
-
-    from localtinker.engine import engine as engine_module
     from localtinker.engine import decode_batch
-
-    def once(owner, name: str) -> None:
-        original, calls = getattr(owner, name), []
-
-        def failing(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == 1:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(owner, name, failing)
+    from localtinker.engine import engine as engine_module
 
     trainer = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=5).result()
     before = _logprobs(trainer)
-    once(engine_module, "token_logprobs_tracking")
+    out_of_memory_once(monkeypatch, engine_module, "token_logprobs_tracking")
     with pytest.raises(tinker.RequestFailedError, match=r"forward_backward of 1 datums \(4 tokens\) ran out of cpu "
                                                         r"memory; nothing was changed\. Send fewer") as failed:
         trainer.forward_backward([_datum([3, 30, 300, 3000, 13])], "cross_entropy").result()  # not the kept forward's
     assert failed.value.category == types.RequestErrorCategory.User
     np.testing.assert_array_equal(_logprobs(trainer), before)
     sampler = trainer.save_weights_and_get_sampling_client("oom").result()
-    once(decode_batch.DecodeBatch, "step")  # a decode step of the running batch
+    out_of_memory_once(monkeypatch, decode_batch.DecodeBatch, "step")  # a decode step of the running batch
     params = types.SamplingParams(max_tokens=2, temperature=0.0)
     with pytest.raises(tinker.RequestFailedError, match=r"sampling 1 requests of one sampler ran out of cpu memory; "
                                                         r"nothing was changed\. Sample fewer") as failed:

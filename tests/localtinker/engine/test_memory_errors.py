@@ -11,21 +11,8 @@ from localtinker.engine import decode_batch, portable_sampling, sample_stream
 from localtinker.engine.api import AdamSpec, EngineUserError, LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.memory_errors import DeviceMemoryError, memory_errors_named
+from tests.fixtures.faults import out_of_memory_once
 from tests.localtinker.engine.reference import TINY, sft_datum
-
-
-def out_of_memory_once(monkeypatch, owner, name: str) -> list[int]:
-    """Makes ``owner.name`` raise torch's OutOfMemoryError at its next call only; returns the call count."""
-    original, calls = getattr(owner, name), []
-
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, failing)
-    return calls
 
 
 def test_only_out_of_memory_is_translated():
