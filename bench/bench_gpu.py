@@ -22,9 +22,13 @@ Usage: ``python bench/bench_gpu.py [--models 1b,0.6b,8b] [--json out.json]``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import gzip
 import json
 import os
+import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -62,6 +66,7 @@ DEVICE = torch.device("cuda")
 SIZES = dict(sft=(8, 512), sft_8b=(8, 2048), prompts=64, new=128, grpo=(16, 8, 64), chat=32)
 SMOKE_SIZES = dict(sft=(2, 32), sft_8b=(2, 32), prompts=2, new=4, grpo=(2, 2, 4), chat=8)
 results: dict[str, float | str] = {}
+TRACE_DIR: Path | None = None  # --trace-dir
 
 
 def sync() -> None:
@@ -198,39 +203,40 @@ def our_sample(engine, sampler_id: str, prompts: np.ndarray, new_tokens: int, sa
 
 def our_grpo_step(engine, model_id: str, prompts: np.ndarray, samples: int, new_tokens: int, step: list[int],
                   parts: dict[str, list[float]] | None = None) -> None:
-    """One GRPO-shaped step; with ``parts``, each part's seconds (device synced) are appended under its name."""
-    def lap(name: str, start: float) -> float:
-        if parts is not None:
-            sync()
-            now = time.perf_counter()
-            parts.setdefault(name, []).append(now - start)
-            return now
-        return start
-
-    start = time.perf_counter()
-    step[0] += 1
-    sampler = f"grpo-{step[0]}"
-    engine.create_ephemeral_sampler(sampler, model_id)
-    start = lap("snapshot", start)
-    rng = np.random.default_rng(step[0])
-    results = our_sample(engine, sampler, prompts, new_tokens, samples)
-    start = lap("sampling", start)
-    data = []
-    for prompt, result in zip(prompts, results):
-        for sequence in result.sequences:
-            tokens = np.concatenate([prompt, sequence.tokens])
-            mask = np.zeros(len(tokens) - 1, np.float32)
-            mask[len(prompt) - 1 :] = 1
-            logprobs = np.zeros(len(tokens) - 1, np.float32)
-            logprobs[len(prompt) - 1 :] = sequence.logprobs
-            data.append(datum(tokens, logprobs=logprobs, advantages=mask * rng.standard_normal()))
-    start = lap("data", start)
+    """One GRPO-shaped step; with ``parts``, each part's seconds (device synced) are appended under its name.
+    Each part is also a named range in a profile's timeline."""
     from localtinker.engine.api import AdamSpec
 
-    engine.forward_backward(model_id, data, "importance_sampling", None, False)
-    start = lap("forward_backward", start)
-    engine.optim_step(model_id, AdamSpec(learning_rate=1e-5))
-    lap("optim_step", start)
+    @contextlib.contextmanager
+    def part(name: str):
+        start = time.perf_counter()
+        with torch.profiler.record_function(f"grpo.{name}"):
+            yield
+        if parts is not None:
+            sync()
+            parts.setdefault(name, []).append(time.perf_counter() - start)
+
+    step[0] += 1
+    sampler = f"grpo-{step[0]}"
+    with part("snapshot"):
+        engine.create_ephemeral_sampler(sampler, model_id)
+    rng = np.random.default_rng(step[0])
+    with part("sampling"):
+        results = our_sample(engine, sampler, prompts, new_tokens, samples)
+    with part("data"):
+        data = []
+        for prompt, result in zip(prompts, results):
+            for sequence in result.sequences:
+                tokens = np.concatenate([prompt, sequence.tokens])
+                mask = np.zeros(len(tokens) - 1, np.float32)
+                mask[len(prompt) - 1 :] = 1
+                logprobs = np.zeros(len(tokens) - 1, np.float32)
+                logprobs[len(prompt) - 1 :] = sequence.logprobs
+                data.append(datum(tokens, logprobs=logprobs, advantages=mask * rng.standard_normal()))
+    with part("forward_backward"):
+        engine.forward_backward(model_id, data, "importance_sampling", None, False)
+    with part("optim_step"):
+        engine.optim_step(model_id, AdamSpec(learning_rate=1e-5))
 
 
 def compare_training_layers(key: str, engine, name: str, model_id: str, data, repeats: int,
@@ -289,7 +295,8 @@ def float32_logprobs(shape: dict, lora: dict[str, torch.Tensor], data) -> np.nda
 
 
 def profile_ours(run: Callable[[], object], label: str) -> None:
-    """Where one call's time goes: the top operators by device time and by host time (``--profile``)."""
+    """Where one call's time goes: the top operators by device time and by host time (``--profile``); with
+    ``--trace-dir``, the whole timeline as a gzipped Chrome trace there too."""
     from torch.profiler import ProfilerActivity, profile
 
     run()
@@ -301,6 +308,14 @@ def profile_ours(run: Callable[[], object], label: str) -> None:
     print(f"  profile of ours, {label}:", flush=True)
     print(events.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=48), flush=True)
     print(events.table(sort_by="cpu_time_total", row_limit=8, max_name_column_width=48), flush=True)
+    if TRACE_DIR is not None:
+        TRACE_DIR.mkdir(parents=True, exist_ok=True)
+        path = TRACE_DIR / (re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-") + ".json")
+        trace.export_chrome_trace(str(path))
+        with open(path, "rb") as raw, gzip.open(f"{path}.gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        path.unlink()
+        print(f"  trace: {path}.gz", flush=True)
 
 
 def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | None, profile: bool = False,
@@ -360,7 +375,7 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
             " tok/s")
         if key == "1b":
             first = prompts_gpu[:grpo_prompts]
-            say(f"{key}.hf.grpo_s", timed(lambda: hf_grpo_step(wrapped, optimizer, first, grpo_samples, grpo_new), 1), " s")
+            say(f"{key}.hf.grpo_s", timed(lambda: hf_grpo_step(wrapped, optimizer, first, grpo_samples, grpo_new), 3), " s")
     except Exception as error:  # noqa: BLE001
         say(f"{key}.hf.error", f"{type(error).__name__}: {error}")
     finally:
@@ -418,15 +433,15 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
         say(f"{key}.ours.sample_64x{4 * new}_peak_gib", peak_gib(), " GiB")
     if key == "1b":
         step = [0]
-        ours_grpo = timed(lambda: our_grpo_step(engine, model_id, prompts[:grpo_prompts], grpo_samples, grpo_new, step), 1)
+        ours_grpo = timed(lambda: our_grpo_step(engine, model_id, prompts[:grpo_prompts], grpo_samples, grpo_new, step), 3)
         say(f"{key}.ours.grpo_s", ours_grpo, " s")
         if f"{key}.hf.grpo_s" in results:
             say(f"{key}.grpo_ratio", results[f"{key}.hf.grpo_s"] / ours_grpo, "x")
-        parts: dict[str, list[float]] = {}  # where the step's time goes: two more steps, each part synced
-        for _ in range(2):
+        parts: dict[str, list[float]] = {}  # where the step's time goes: three more steps, each part synced
+        for _ in range(3):
             our_grpo_step(engine, model_id, prompts[:grpo_prompts], grpo_samples, grpo_new, step, parts)
         for part, seconds in parts.items():
-            say(f"{key}.ours.grpo_{part}_s", min(seconds), " s")
+            say(f"{key}.ours.grpo_{part}_s", statistics.median(seconds), " s")
     # The same training step again, now that this process has sampled (compiled decode pieces, captured graphs):
     # an RL loop trains right after sampling, and a slower step here is what it would pay.
     say(f"{key}.ours.sft_after_sampling_s", timed(lambda: our_step(engine, model_id, sft_data), repeats), " s")
@@ -458,8 +473,12 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="also profile our 1B SFT step and a sampling call")
     parser.add_argument("--precision", action="store_true",
                         help="also each training path's logprob gap to the same model in float32")
+    parser.add_argument("--trace-dir", type=Path, default=None,
+                        help="with --profile, also write each profiled call's timeline there (gzipped Chrome trace)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks this script, measures nothing")
     args = parser.parse_args()
+    global TRACE_DIR
+    TRACE_DIR = args.trace_dir
     global DEVICE
     if args.smoke:
         DEVICE = torch.device("cpu")

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from localtinker.engine import merged_lora
+from localtinker.engine import host_transfer, merged_lora
 from localtinker.engine.api import (
     AdamSpec,
     CheckpointInfo,
@@ -543,7 +543,8 @@ class LocalEngine:
             model = self._model(model_id)
             number = self.snapshots.find(model_id, model.version)
             if number is None:
-                number = self.snapshots.add(model_id, model.version, self._weights(model), model.lora.__dict__)
+                number = self.snapshots.add(model_id, model.version, host_transfer.to_host(model.params),
+                                            model.lora.__dict__)
             self._samplers[sampler_id] = _Sampler(base_name=model.base_name, weights_path=None, snapshot=number)
             return model.base_name
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from localtinker.engine import host_transfer
 from localtinker.engine.api import EngineUserError, LoraSpec
 from localtinker.engine.merged_lora import forget_layers, lora_layers, merged_output, unmerge
 
@@ -139,14 +140,13 @@ class AdapterHost:
                 f"checkpoint does not match the adapter layout (missing {missing}, unexpected {extra}); "
                 "load it with the base model and LoRA config it was saved from."
             )
-        with torch.no_grad():
-            for key, param in params.items():
-                if param.shape != weights[key].shape:
-                    raise EngineUserError(
-                        f"checkpoint tensor {key} has shape {tuple(weights[key].shape)}, adapter expects "
-                        f"{tuple(param.shape)}; use the same base model and LoRA rank."
-                    )
-                param.copy_(weights[key])
+        for key, param in params.items():
+            if param.shape != weights[key].shape:
+                raise EngineUserError(
+                    f"checkpoint tensor {key} has shape {tuple(weights[key].shape)}, adapter expects "
+                    f"{tuple(param.shape)}; use the same base model and LoRA rank."
+                )
+        host_transfer.copy_into(params, weights)
 
     @contextmanager
     def activated(self, name: str | None) -> Iterator[None]:

@@ -86,8 +86,7 @@ def adamw_step(params: dict[str, torch.nn.Parameter], state: AdamState, spec: Ad
         param = params[key]
         step = state.param_steps.get(key, 0) + 1
         state.param_steps[key] = step
-        exp_avg = state.exp_avg.setdefault(key, torch.zeros_like(grad))
-        exp_avg_sq = state.exp_avg_sq.setdefault(key, torch.zeros_like(grad))
+        exp_avg, exp_avg_sq = _moments(state, key, grad)
         exp_avg.lerp_(grad, 1 - spec.beta1)
         exp_avg_sq.mul_(spec.beta2).addcmul_(grad, grad, value=1 - spec.beta2)
         before = param.detach().clone()
@@ -105,9 +104,20 @@ def adamw_step(params: dict[str, torch.nn.Parameter], state: AdamState, spec: Ad
     }
 
 
+def _moments(state: AdamState, key: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key``'s two moments, created as zeros at its first update (not allocated at every step only to be
+    dropped, as ``setdefault(key, zeros_like(...))`` would: 448 allocations per step on a 1B model)."""
+    if key not in state.exp_avg:
+        state.exp_avg[key] = torch.zeros_like(grad)
+        state.exp_avg_sq[key] = torch.zeros_like(grad)
+    return state.exp_avg[key], state.exp_avg_sq[key]
+
+
 def _foreach_update(params: dict[str, torch.nn.Parameter], grads: dict[str, torch.Tensor], state: AdamState,
                     spec: AdamSpec) -> float:
-    """The loop of :func:`adamw_step` over all tensors at once; returns the squared update norm."""
+    """The loop of :func:`adamw_step` over all tensors at once; returns the squared update norm. Every operation,
+    the update's norm included, is a multi-tensor kernel, and the bias corrections are plain numbers when all
+    tensors took part in the same number of steps (the usual case): a list of them costs a launch per tensor."""
     keys = list(grads)
     steps = []
     for key in keys:
@@ -115,18 +125,26 @@ def _foreach_update(params: dict[str, torch.nn.Parameter], grads: dict[str, torc
         state.param_steps[key] = steps[-1]
     values = [params[key].detach() for key in keys]
     gradients = [grads[key] for key in keys]
-    first = [state.exp_avg.setdefault(key, torch.zeros_like(grads[key])) for key in keys]
-    second = [state.exp_avg_sq.setdefault(key, torch.zeros_like(grads[key])) for key in keys]
+    moments = [_moments(state, key, grads[key]) for key in keys]
+    first = [moment[0] for moment in moments]
+    second = [moment[1] for moment in moments]
     torch._foreach_lerp_(first, gradients, 1 - spec.beta1)
     torch._foreach_mul_(second, spec.beta2)
     torch._foreach_addcmul_(second, gradients, gradients, value=1 - spec.beta2)
     before = torch._foreach_mul(values, 1.0)
     torch._foreach_mul_(values, 1 - spec.learning_rate * spec.weight_decay)
     denominators = torch._foreach_sqrt(second)
-    torch._foreach_div_(denominators, [math.sqrt(1 - spec.beta2**step) for step in steps])
-    torch._foreach_add_(denominators, spec.eps)
-    torch._foreach_addcdiv_(values, first, denominators, [-spec.learning_rate / (1 - spec.beta1**step) for step in steps])
-    squares = [(after - old).pow(2).sum() for after, old in zip(values, before)]
+    if len(set(steps)) == 1:
+        torch._foreach_div_(denominators, math.sqrt(1 - spec.beta2 ** steps[0]))
+        torch._foreach_add_(denominators, spec.eps)
+        torch._foreach_addcdiv_(values, first, denominators, value=-spec.learning_rate / (1 - spec.beta1 ** steps[0]))
+    else:
+        torch._foreach_div_(denominators, [math.sqrt(1 - spec.beta2**step) for step in steps])
+        torch._foreach_add_(denominators, spec.eps)
+        torch._foreach_addcdiv_(values, first, denominators,
+                                [-spec.learning_rate / (1 - spec.beta1**step) for step in steps])
+    torch._foreach_sub_(before, values)
+    norms = torch._foreach_norm(before)
     for key in keys:
         params[key].grad = None
-    return float(torch.stack(squares).double().sum())
+    return float(torch.stack(norms).double().pow(2).sum())

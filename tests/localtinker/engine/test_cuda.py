@@ -167,3 +167,22 @@ def test_running_out_of_gpu_memory_is_a_user_error_and_the_next_step_runs(tmp_pa
     assert all(after[key] is None if grad is None else torch.equal(after[key], grad) for key, grad in grads.items())
     engine.forward_backward(model_id, small, "cross_entropy", None, False)
     engine.optim_step(model_id, AdamSpec(learning_rate=1e-3))
+
+
+def test_adapter_tensors_cross_to_pinned_host_memory_and_back_in_one_copy():
+    """host_transfer on a GPU: a snapshot of many CUDA tensors is views of one pinned buffer per dtype, equal to
+    them; copied back into CUDA tensors it lands exactly, from that buffer and from separate host tensors."""
+    from localtinker.engine.host_transfer import copy_into, to_host
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {f"layer{i}.lora_{ab}": torch.randn(32, 64 + i, generator=generator).cuda()
+               for i in range(8) for ab in "AB"}
+    tensors["count"] = torch.arange(5, device="cuda")
+    copies = to_host(tensors)
+    assert all(copy.device.type == "cpu" and copy.is_pinned() for copy in copies.values())
+    assert len({copies[key].untyped_storage().data_ptr() for key in tensors if key != "count"}) == 1
+    for sources in (copies, {key: value.clone() for key, value in copies.items()}):
+        targets = {key: torch.zeros_like(value) for key, value in tensors.items()}
+        copy_into(targets, sources)
+        torch.cuda.synchronize()
+        assert all(torch.equal(targets[key], tensors[key]) for key in tensors)
