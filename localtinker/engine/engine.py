@@ -43,7 +43,7 @@ from localtinker.engine.api import (
     UnknownModelError,
 )
 from localtinker.engine.bf16_matmul import bf16_matmul_is_fast
-from localtinker.engine.checkpoints import CheckpointStore, parse_tinker_path
+from localtinker.engine.checkpoints import CheckpointStore, LoadedCheckpoint, parse_tinker_path
 from localtinker.engine.chunked_logprobs import chunked_token_logprobs
 from localtinker.engine.families import architecture, context_length, final_softcap
 from localtinker.engine.datums import PreparedDatum, prepare_datums
@@ -439,7 +439,7 @@ class LocalEngine:
                 name,
                 adapter=self._weights(model),
                 meta=self._meta(model),
-                optimizer={key: value.cpu() for key, value in model.adam.to_tensors().items()},
+                optimizer=self._host_tensors(model.adam.to_tensors()),
                 ttl_seconds=ttl_seconds,
             )
 
@@ -486,10 +486,7 @@ class LocalEngine:
                 self.unload_model(model_id)
                 raise
             if with_optimizer:
-                model.adam = AdamState.from_tensors(int(checkpoint.meta["step"]), checkpoint.optimizer)
-                for moments in (model.adam.exp_avg, model.adam.exp_avg_sq):
-                    for key, value in moments.items():
-                        moments[key] = value.to(self.device)
+                model.adam = self._restored_adam(checkpoint)
             return info
 
     def load_state_into(self, model_id: str, path: str, with_optimizer: bool) -> None:
@@ -507,9 +504,7 @@ class LocalEngine:
             self._hosts[model.base_name].adapters.import_weights(model.adapter, checkpoint.adapter)
             for param in model.params.values():
                 param.grad = None
-            model.adam = (
-                AdamState.from_tensors(int(checkpoint.meta["step"]), checkpoint.optimizer) if with_optimizer else AdamState()
-            )
+            model.adam = self._restored_adam(checkpoint) if with_optimizer else AdamState()
             model.version += 1
             self._drop_retained(model_id)
 
@@ -717,7 +712,21 @@ class LocalEngine:
         return sampler
 
     def _weights(self, model: _TrainingModel) -> dict[str, torch.Tensor]:
-        return {key: param.detach().to("cpu", copy=True) for key, param in model.params.items()}
+        """Host copies of the adapter (from a device in one copy)."""
+        return host_transfer.to_host(model.params)
+
+    def _host_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``tensors`` on the host for a checkpoint written at once: the CPU's own tensors, a device's in one copy."""
+        if self.device.type == "cpu":
+            return {key: value.cpu() for key, value in tensors.items()}
+        return host_transfer.to_host(tensors)
+
+    def _restored_adam(self, checkpoint: LoadedCheckpoint) -> AdamState:
+        """A checkpoint's optimizer state with its moments on this engine's device."""
+        adam = AdamState.from_tensors(int(checkpoint.meta["step"]), checkpoint.optimizer)
+        adam.exp_avg = host_transfer.to_device(adam.exp_avg, self.device)
+        adam.exp_avg_sq = host_transfer.to_device(adam.exp_avg_sq, self.device)
+        return adam
 
     def _meta(self, model: _TrainingModel) -> dict:
         return {"base_model": model.base_name, "lora": model.lora.__dict__, "step": model.adam.step}

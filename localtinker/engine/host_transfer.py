@@ -9,26 +9,47 @@ views. On the CPU nothing changes: each tensor is copied as before.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 
 import torch
 
+logger = logging.getLogger("localtinker.engine")
+
 
 def to_host(tensors: dict[str, torch.Tensor], one_copy: bool | None = None) -> dict[str, torch.Tensor]:
     """Host copies of ``tensors`` (detached). From a CUDA device (or with ``one_copy``, which the CPU tests use)
-    they are views of one buffer per dtype, pinned where CUDA is, filled by one copy: they share storage, so
-    give them to ``torch.save``, not to safetensors."""
+    they are views of one buffer per dtype, pinned where CUDA is, filled by one copy. The views do not overlap,
+    so ``torch.save`` and safetensors both write them as separate tensors."""
     if one_copy is None:
         one_copy = any(tensor.device.type == "cuda" for tensor in tensors.values())
     if not tensors or not one_copy:
         return {key: tensor.detach().to("cpu", copy=True) for key, tensor in tensors.items()}
     copies: dict[str, torch.Tensor] = {}
     for group in _by_dtype(tensors).values():
-        flat = torch.cat([tensors[key].detach().reshape(-1) for key in group])
-        host = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=_pinnable())
+        device = _flat_device(tensors, group)
+        flat = torch.cat([tensors[key].detach().reshape(-1).to(device) for key in group])
+        host = _host_buffer(flat.numel(), flat.dtype)
         host.copy_(flat)
         copies.update(_views(host, {key: tensors[key].shape for key in group}))
     return {key: copies[key] for key in tensors}
+
+
+def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """``tensors`` on ``device``: new tensors filled as :func:`copy_into` fills them (one copy per dtype from the
+    host to a CUDA device); on the CPU, ``tensor.to(device)`` (no copy of a tensor already there)."""
+    if device.type != "cuda":
+        return {key: tensor.to(device) for key, tensor in tensors.items()}
+    targets = {key: torch.empty(tensor.shape, dtype=tensor.dtype, device=device) for key, tensor in tensors.items()}
+    copy_into(targets, tensors)
+    return targets
+
+
+def _flat_device(tensors: dict[str, torch.Tensor], group: list[str]) -> torch.device:
+    """Where a dtype group is laid end to end: on the device when any of it is there (a scalar step count kept
+    on the host joins it there), else on the host."""
+    devices = {tensors[key].device for key in group}
+    return next((device for device in devices if device.type != "cpu"), torch.device("cpu"))
 
 
 def copy_into(targets: dict[str, torch.Tensor], sources: dict[str, torch.Tensor], one_copy: bool | None = None) -> None:
@@ -48,8 +69,7 @@ def copy_into(targets: dict[str, torch.Tensor], sources: dict[str, torch.Tensor]
     for group in _by_dtype({key: sources[key] for key in keys}).values():
         buffer = _end_to_end(group, sources)
         if buffer is None:
-            buffer = torch.empty(sum(sources[key].numel() for key in group), dtype=sources[group[0]].dtype,
-                                 pin_memory=_pinnable())
+            buffer = _host_buffer(sum(sources[key].numel() for key in group), sources[group[0]].dtype)
             torch.cat([sources[key].reshape(-1) for key in group], out=buffer)
         on_device = buffer.to(device, non_blocking=buffer.is_pinned())
         views = _views(on_device, {key: sources[key].shape for key in group})
@@ -60,6 +80,18 @@ def copy_into(targets: dict[str, torch.Tensor], sources: dict[str, torch.Tensor]
 def _pinnable() -> bool:
     """Page-locked host memory (what lets a copy run at the bus's speed) exists only beside a CUDA device."""
     return torch.cuda.is_available()
+
+
+def _host_buffer(count: int, dtype: torch.dtype) -> torch.Tensor:
+    """An empty host buffer, page-locked where it can be: a host that cannot lock more memory gets pageable
+    memory (the copy is slower, the request still succeeds), and a warning."""
+    if _pinnable():
+        try:
+            return torch.empty(count, dtype=dtype, pin_memory=True)
+        except RuntimeError as error:
+            logger.warning("host_transfer: no page-locked memory for %d bytes (%s); copying through pageable memory",
+                           count * dtype.itemsize, str(error).splitlines()[0])
+    return torch.empty(count, dtype=dtype)
 
 
 def _by_dtype(tensors: dict[str, torch.Tensor]) -> dict[torch.dtype, list[str]]:

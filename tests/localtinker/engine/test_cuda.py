@@ -186,3 +186,27 @@ def test_adapter_tensors_cross_to_pinned_host_memory_and_back_in_one_copy():
         copy_into(targets, sources)
         torch.cuda.synchronize()
         assert all(torch.equal(targets[key], tensors[key]) for key in tensors)
+
+
+def test_a_checkpoint_round_trip_on_the_gpu_keeps_the_optimizer_state_there(tmp_path):
+    """save_state then load_state / load_state_into with the optimizer: the adapter and both moments come back
+    equal and on the device (load_state_into left them on the host, where the next optim_step failed)."""
+    engine = LocalEngine(tmp_path, dtype="bfloat16", device="cuda")
+    engine.create_model("cuda:train:ckpt", TINY, LoraSpec(rank=4, seed=0))
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        engine.forward_backward("cuda:train:ckpt", [sft_datum(rng, 16)], "cross_entropy", None, False)
+        engine.optim_step("cuda:train:ckpt", AdamSpec(learning_rate=1e-3))
+    saved = engine._models["cuda:train:ckpt"]
+    path = engine.save_state("cuda:train:ckpt", "two-steps")
+    engine.load_state("cuda:train:restored", path, True, None)
+    engine.create_model("cuda:train:into", TINY, LoraSpec(rank=4, seed=1))
+    engine.load_state_into("cuda:train:into", path, True)
+    for model_id in ("cuda:train:restored", "cuda:train:into"):
+        model = engine._models[model_id]
+        assert all(torch.equal(model.params[key], saved.params[key]) for key in saved.params)
+        for kind in ("exp_avg", "exp_avg_sq"):
+            moments, expected = getattr(model.adam, kind), getattr(saved.adam, kind)
+            assert all(value.device.type == "cuda" and torch.equal(value, expected[key]) for key, value in moments.items())
+        engine.forward_backward(model_id, [sft_datum(rng, 16)], "cross_entropy", None, False)
+        engine.optim_step(model_id, AdamSpec(learning_rate=1e-3))

@@ -57,3 +57,38 @@ def test_copy_into_does_not_read_a_buffer_out_of_order_as_laid_out():
     copy_into(targets, reordered, one_copy=True)
     for key, value in tensors.items():
         assert torch.equal(targets[key], value)
+
+
+def test_a_host_that_cannot_lock_memory_gets_pageable_copies_and_a_warning(monkeypatch, caplog):
+    """Page-locking can fail (here: no CUDA, so no pinned allocator); the transfer goes on through pageable memory."""
+    import localtinker.engine.host_transfer as host_transfer
+
+    monkeypatch.setattr(host_transfer, "_pinnable", lambda: True)
+    tensors = _tensors()
+    with caplog.at_level("WARNING", logger="localtinker.engine"):
+        copies = to_host(tensors, one_copy=True)
+        targets = {key: torch.zeros_like(value) for key, value in tensors.items()}
+        copy_into(targets, {key: value.clone() for key, value in copies.items()}, one_copy=True)
+    assert all(torch.equal(copies[key], value) and torch.equal(targets[key], value) for key, value in tensors.items())
+    assert "no page-locked memory" in caplog.text
+
+
+def test_views_of_one_buffer_go_to_checkpoint_files_as_separate_tensors(tmp_path):
+    """Checkpoints (safetensors) and spilled snapshots (torch.save) take the views as they are."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = _tensors()
+    copies = to_host(tensors, one_copy=True)
+    save_file(copies, str(tmp_path / "adapter.safetensors"))
+    torch.save(copies, tmp_path / "snapshot.pt")
+    for loaded in (load_file(str(tmp_path / "adapter.safetensors")), torch.load(tmp_path / "snapshot.pt")):
+        assert all(torch.equal(loaded[key], value) for key, value in tensors.items())
+    assert (tmp_path / "adapter.safetensors").stat().st_size < 2 * sum(t.nbytes for t in tensors.values())
+
+
+def test_to_device_on_the_cpu_hands_back_the_tensors_themselves():
+    from localtinker.engine.host_transfer import to_device
+
+    tensors = _tensors()
+    moved = to_device(tensors, torch.device("cpu"))
+    assert all(moved[key] is value for key, value in tensors.items())
