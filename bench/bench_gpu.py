@@ -470,7 +470,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="1b,0.6b,8b")
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--profile", action="store_true", help="also profile our 1B SFT step and a sampling call")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile our 1B SFT step, a sampling call and a GRPO step")
     parser.add_argument("--precision", action="store_true",
                         help="also each training path's logprob gap to the same model in float32")
     parser.add_argument("--trace-dir", type=Path, default=None,

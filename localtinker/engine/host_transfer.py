@@ -2,9 +2,9 @@
 
 An RL step snapshots the training adapter to the host and the sampler copies it back: on a 1B model that is
 224 LoRA tensors, and one copy per tensor to or from pageable memory cost ~0.1 s of host time each way (a GRPO
-step's profile on an H200, docs/localtinker-gpu.md) for ~2 ms of transfers. Here tensors of one dtype are laid
-end to end on the device and cross in one copy to or from pinned host memory, which the host hands back as
-views. On the CPU nothing changes: each tensor is copied as before.
+step's profile on an H200, docs/localtinker-gpu.md) for ~2 ms of transfers; a checkpoint adds the 448 Adam
+moments. Here tensors of one dtype are laid end to end on the device and cross in one copy to or from pinned
+host memory, which the host hands back as views. On the CPU nothing changes: each tensor is copied as before.
 """
 
 from __future__ import annotations

@@ -134,15 +134,13 @@ def _foreach_update(params: dict[str, torch.nn.Parameter], grads: dict[str, torc
     before = torch._foreach_mul(values, 1.0)
     torch._foreach_mul_(values, 1 - spec.learning_rate * spec.weight_decay)
     denominators = torch._foreach_sqrt(second)
+    corrections = [math.sqrt(1 - spec.beta2**step) for step in steps]
+    step_sizes = [-spec.learning_rate / (1 - spec.beta1**step) for step in steps]
     if len(set(steps)) == 1:
-        torch._foreach_div_(denominators, math.sqrt(1 - spec.beta2 ** steps[0]))
-        torch._foreach_add_(denominators, spec.eps)
-        torch._foreach_addcdiv_(values, first, denominators, value=-spec.learning_rate / (1 - spec.beta1 ** steps[0]))
-    else:
-        torch._foreach_div_(denominators, [math.sqrt(1 - spec.beta2**step) for step in steps])
-        torch._foreach_add_(denominators, spec.eps)
-        torch._foreach_addcdiv_(values, first, denominators,
-                                [-spec.learning_rate / (1 - spec.beta1**step) for step in steps])
+        corrections, step_sizes = corrections[0], step_sizes[0]
+    torch._foreach_div_(denominators, corrections)
+    torch._foreach_add_(denominators, spec.eps)
+    torch._foreach_addcdiv_(values, first, denominators, step_sizes)
     torch._foreach_sub_(before, values)
     norms = torch._foreach_norm(before)
     for key in keys:
