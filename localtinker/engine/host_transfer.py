@@ -27,8 +27,7 @@ def to_host(tensors: dict[str, torch.Tensor], one_copy: bool | None = None) -> d
         return {key: tensor.detach().to("cpu", copy=True) for key, tensor in tensors.items()}
     copies: dict[str, torch.Tensor] = {}
     for group in _by_dtype(tensors).values():
-        device = _flat_device(tensors, group)
-        flat = torch.cat([tensors[key].detach().reshape(-1).to(device) for key in group])
+        flat = torch.cat([tensors[key].detach().reshape(-1) for key in group])
         host = _host_buffer(flat.numel(), flat.dtype)
         host.copy_(flat)
         copies.update(_views(host, {key: tensors[key].shape for key in group}))
@@ -43,13 +42,6 @@ def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[st
     targets = {key: torch.empty(tensor.shape, dtype=tensor.dtype, device=device) for key, tensor in tensors.items()}
     copy_into(targets, tensors)
     return targets
-
-
-def _flat_device(tensors: dict[str, torch.Tensor], group: list[str]) -> torch.device:
-    """Where a dtype group is laid end to end: on the device when any of it is there (a scalar step count kept
-    on the host joins it there), else on the host."""
-    devices = {tensors[key].device for key in group}
-    return next((device for device in devices if device.type != "cpu"), torch.device("cpu"))
 
 
 def copy_into(targets: dict[str, torch.Tensor], sources: dict[str, torch.Tensor], one_copy: bool | None = None) -> None:
