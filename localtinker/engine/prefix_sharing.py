@@ -13,12 +13,13 @@ positions, identical across the group, are computed once too.
 :func:`group_by_prefix` picks the groups: datums sorted by their tokens, so those with a common prefix
 are neighbours, then the partition of that order into runs that saves the most tokens, a run sharing the
 longest prefix common to all its members (at least :data:`MIN_SHARED_TOKENS`, and each member keeps at
-least one token of its own).
+least one token of its own). It compares :func:`sharing_keys`, not bare tokens: a shared row's target must be
+every member's target too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,8 +58,9 @@ def token_rows(
     time (``shared_budget``, default ``budget``, for groups): datums that share a prompt
     (:func:`group_by_prefix`) run it once per group, the others as rows. ``share=False`` runs every datum
     as its own row."""
-    groups = group_by_prefix(tokens) if share else [PrefixGroup((i,), 0) for i in range(len(tokens))]
-    batches, left = shared_microbatches([g for g in groups if g.shared], tokens, shared_budget or budget)
+    keys = sharing_keys(tokens, targets)
+    groups = group_by_prefix(keys) if share else [PrefixGroup((i,), 0) for i in range(len(tokens))]
+    batches, left = shared_microbatches([g for g in groups if g.shared], keys, shared_budget or budget)
     alone = sorted(left + [index for group in groups if not group.shared for index in group.members])
     for positions in _plain_microbatches([tokens[i].shape[0] for i in alone], budget):
         yield plain_rows(decoder, [alone[k] for k in positions], tokens, targets)
@@ -83,6 +85,21 @@ def _plain_microbatches(lengths: list[int], budget: int) -> list[list[int]]:
     if current:
         batches.append(current)
     return batches
+
+
+def sharing_keys(tokens: list[torch.Tensor], targets: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per datum position *j*: its token and the target of position *j − 1*, as one int64.
+
+    Datums whose keys agree on their first *n* positions have the same first *n* tokens and the same first
+    *n − 1* targets: exactly what running those *n* positions once needs (the last one's hidden state is shared,
+    its target is each member's own). With the usual shifted targets the keys agree where the tokens do;
+    datums with equal tokens but targets of their own share only as far as their targets agree."""
+    keys = []
+    for datum_tokens, datum_targets in zip(tokens, targets):
+        previous = torch.zeros_like(datum_tokens, dtype=torch.int64)
+        previous[1:] = datum_targets[:-1].to(torch.int64) + 1
+        keys.append(datum_tokens.to(torch.int64) * (1 << 32) + previous)
+    return keys
 
 
 def group_by_prefix(tokens: list[torch.Tensor]) -> list[PrefixGroup]:
@@ -221,7 +238,9 @@ def shared_rows(
     the members' datum indices. A root that every group's prefix starts with (a system prompt or few-shot
     examples in front of different problems, :func:`common_root`) runs once for the whole micro-batch, and
     the group prefixes attend to it in turn."""
-    root = common_root(groups, tokens)
+    members = [index for group in groups for index in group.members]
+    keys = dict(zip(members, sharing_keys([tokens[i] for i in members], [targets[i] for i in members])))
+    root = common_root(groups, keys)
     root_ids = tokens[groups[0].members[0]][:root]
     width = max(group.shared for group in groups) - root  # group prefixes after the root
     prefix_ids = torch.zeros((len(groups), width), dtype=torch.long)
@@ -298,9 +317,10 @@ def shared_rows(
     return TokenRows(torch.cat(pieces), torch.cat(row_targets), datum_rows)
 
 
-def common_root(groups: list[PrefixGroup], tokens: list[torch.Tensor]) -> int:
-    """Tokens every group's prefix starts with, leaving each group at least one prefix token of its own;
-    0 for a single group or fewer than :data:`MIN_SHARED_TOKENS`."""
+def common_root(groups: list[PrefixGroup], tokens: Sequence[torch.Tensor] | Mapping[int, torch.Tensor]) -> int:
+    """Positions every group's prefix starts with, leaving each group at least one prefix token of its own;
+    0 for a single group or fewer than :data:`MIN_SHARED_TOKENS`. ``tokens``: by datum index, the datums'
+    :func:`sharing_keys` (or tokens, where the targets are known to be the shifted tokens)."""
     if len(groups) < 2:
         return 0
     first = tokens[groups[0].members[0]].numpy()

@@ -19,6 +19,7 @@ from localtinker.engine.prefix_sharing import (
     common_root,
     group_by_prefix,
     shared_microbatches,
+    sharing_keys,
 )
 from tests.localtinker.engine.reference import TINY, ReferenceModel, sft_datum
 from tests.localtinker.engine.test_losses import assert_grad_close, reference_loss
@@ -115,6 +116,16 @@ def test_a_long_prefix_is_not_shared_with_longer_own_parts():
     """Over budget, sharing would add memory without saving work: the members run as plain rows."""
     batches, alone = shared_microbatches([PrefixGroup((0, 1), 300)], of_lengths([1000, 1000]), budget=512)
     assert batches == [] and alone == [0, 1]
+
+
+def test_sharing_keys_follow_the_tokens_and_the_targets_before_them():
+    tokens = rows([5, 6, 7, 8], [5, 6, 7, 9])
+    shifted = [torch.cat([t[1:], torch.tensor([0])]) for t in tokens]
+    keys = sharing_keys(tokens, shifted)
+    assert int((keys[0] == keys[1]).sum()) == 3  # shifted targets: the keys agree where the tokens do
+    own_targets = rows([6, 7, 8, 1], [6, 9, 8, 1])  # the same tokens, the second target differs
+    keys = sharing_keys(rows([5, 6, 7, 8], [5, 6, 7, 8]), own_targets)
+    assert (keys[0] == keys[1]).tolist() == [True, True, False, True]  # a common prefix of 2 positions
 
 
 @pytest.fixture(scope="module")
@@ -320,3 +331,21 @@ def test_an_all_zero_batch_still_gives_zero_gradients(engine, new_id):
     engine.forward_backward(model_id, [datum], "cross_entropy", None, False)
     grads = engine.lora_grads(model_id)
     assert all(g is not None and not bool(g.any()) for g in grads.values())
+
+
+def test_datums_with_one_prompt_but_targets_of_their_own_share_only_where_the_targets_agree(engine, trained):
+    """A shared row's target must be every member's: three datums with the same 40 tokens whose targets agree
+    on the first 20 positions only share 21 positions, and each gets the logprobs it gets alone."""
+    rng = np.random.default_rng(9)
+    tokens = rng.integers(0, 49152, size=40)
+    common_targets = rng.integers(0, 49152, size=20)
+    data = [DatumArrays(tokens=tokens, loss_fn_inputs={
+        "target_tokens": np.concatenate([common_targets, rng.integers(0, 49152, size=20)]),
+        "weights": np.ones(40, np.float32)}) for _ in range(3)]
+    keys = sharing_keys([torch.as_tensor(d.tokens) for d in data],
+                        [torch.as_tensor(d.loss_fn_inputs["target_tokens"]) for d in data])
+    assert group_by_prefix(keys) == [PrefixGroup((0, 1, 2), 21)]
+    together = engine.forward_backward(trained, data, "cross_entropy", None, forward_only=True)
+    for datum, output in zip(data, together.loss_fn_outputs):
+        alone = engine.forward_backward(trained, [datum], "cross_entropy", None, forward_only=True)
+        np.testing.assert_allclose(output["logprobs"], alone.loss_fn_outputs[0]["logprobs"], atol=1e-5)
