@@ -442,6 +442,17 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
             our_grpo_step(engine, model_id, prompts[:grpo_prompts], grpo_samples, grpo_new, step, parts)
         for part, seconds in parts.items():
             say(f"{key}.ours.grpo_{part}_s", statistics.median(seconds), " s")
+        # the same steps with every sample's prompt run again (packed_layout.py's sharing off), in this process
+        from localtinker.engine import packed_rows
+
+        whole: dict[str, list[float]] = {}
+        packed_rows.SHARE_PROMPTS = False
+        try:
+            for _ in range(3):
+                our_grpo_step(engine, model_id, prompts[:grpo_prompts], grpo_samples, grpo_new, step, whole)
+        finally:
+            packed_rows.SHARE_PROMPTS = True
+        say(f"{key}.ours.grpo_forward_backward_whole_rows_s", statistics.median(whole["forward_backward"]), " s")
     # The same training step again, now that this process has sampled (compiled decode pieces, captured graphs):
     # an RL loop trains right after sampling, and a slower step here is what it would pay.
     say(f"{key}.ours.sft_after_sampling_s", timed(lambda: our_step(engine, model_id, sft_data), repeats), " s")

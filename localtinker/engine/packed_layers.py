@@ -8,8 +8,9 @@ static decoder instead: q/k/v and gate/up as one product each over the weight vi
 (static_decode.py), the adapter's float32 factors stacked, scaled and cast inside the piece (so their gradients
 reach the float32 parameters, as in lora.py's fused forward), the residuals added inside the products. On CUDA
 with Triton the two pieces go through ``torch.compile``, dynamic in the token count, so one graph per model serves
-every micro-batch and each run of elementwise work becomes one kernel. Attention runs between the pieces: flash
-varlen over the packed rows on CUDA in bf16/fp16, one causal sdpa per datum elsewhere.
+every micro-batch and each run of elementwise work becomes one kernel. Attention runs between the pieces, by the
+micro-batch's segments (packed_layout.py: a prompt shared by several datums runs once): flash varlen on CUDA in
+bf16/fp16, one sdpa per segment elsewhere.
 
 Taken where static decode is (Llama, Qwen2, Qwen3, Mistral without sliding windows) and the active adapter is
 plain (lora.py); anything else runs transformers' layers. ``LOCALTINKER_TRAIN_LAYERS=0`` turns this path off,
@@ -30,6 +31,7 @@ import torch
 from localtinker.engine.decode_layer import (
     LayerShape, allow_recompiles, compile_by_default, post_attention, pre_attention,
 )
+from localtinker.engine.packed_layout import PackedLayout
 from localtinker.engine.portable_attention import packed_causal_attention
 from localtinker.engine.static_decode import frozen_layer, shared_weights, static_decode_supported
 
@@ -195,30 +197,33 @@ class PackedLayers:
                 factors["down"]))
         return parts
 
-    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seq_lens: torch.Tensor,
-               lengths: list[int]) -> torch.Tensor | None:
-        """The final-normed hidden states ``[tokens, hidden]`` of packed rows (each datum at positions 0, 1, ...,
-        ``cu_seq_lens`` their bounds on the device, ``lengths`` on the host); None where the active adapter
-        is not one this path computes (the caller then runs transformers' layers)."""
+    def computes_active_adapter(self) -> bool:
+        """Whether :meth:`hidden` computes the adapter active now (else transformers' layers must run)."""
+        return self._layer_parts() is not None
+
+    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, layout: PackedLayout) -> torch.Tensor | None:
+        """The final-normed hidden states ``[tokens, hidden]`` of a packed micro-batch (packed_layout.py: its
+        tokens' positions and attention segments, on the device); None where the active adapter is not one this
+        path computes (the caller then runs transformers' layers)."""
         parts = self._layer_parts()
         if parts is None:
             return None
         if not self._probed:
             self._probe(parts)
         try:
-            return self._forward(parts, input_ids, position_ids, cu_seq_lens, lengths)
+            return self._forward(parts, input_ids, position_ids, layout)
         except Exception as error:  # noqa: BLE001 - a compiler failure: say why once, run uncompiled
             if not self.compiled or isinstance(error, (ValueError, torch.OutOfMemoryError)):
                 raise
             self._uncompile(error)
-            return self._forward(parts, input_ids, position_ids, cu_seq_lens, lengths)
+            return self._forward(parts, input_ids, position_ids, layout)
 
     def _forward(self, parts: list[LayerParts], input_ids: torch.Tensor, position_ids: torch.Tensor,
-                 cu_seq_lens: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+                 layout: PackedLayout) -> torch.Tensor:
         x = self.embed(input_ids)
         cos, sin = self._rotation(x, position_ids)
         for part in parts:
-            x = self._layer(x, part, cos, sin, cu_seq_lens, lengths)
+            x = self._layer(x, part, cos, sin, layout)
         return self.norm(x)
 
     def _rotation(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,7 +235,7 @@ class PackedLayers:
         return cos, sin
 
     def _layer(self, x: torch.Tensor, part: LayerParts, cos: torch.Tensor, sin: torch.Tensor,
-               cu_seq_lens: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+               layout: PackedLayout) -> torch.Tensor:
         """One decoder layer: the pre piece, attention over the packed rows, the post piece."""
         (norm, qkv, qkv_factors, q_norm, k_norm, o_proj, o_factors, post_norm, gate_up, gate_up_factors, down,
          down_factors) = part
@@ -240,7 +245,7 @@ class PackedLayers:
             _mark_tokens_dynamic(x)
         q, k, v = pre(x, norm, *qkv, qkv_factors, q_norm, k_norm, cos, sin, shape.heads, shape.kv_heads, shape.eps,
                       shape.qk_eps)
-        out = packed_causal_attention(q, k, v, cu_seq_lens, lengths, shape.scale)
+        out = packed_causal_attention(q, k, v, layout, shape.scale)
         out = out.reshape(out.shape[0], shape.heads * shape.head_dim)
         if self.compiled:
             _mark_tokens_dynamic(out)
@@ -264,10 +269,10 @@ class PackedLayers:
                 x = torch.randn((tokens, self.embed.weight.shape[1]), device=self.device, dtype=self.embed.weight.dtype,
                                 requires_grad=True)
                 cos, sin = self._rotation(x, torch.arange(tokens, device=self.device))
-                cu = torch.tensor([0, tokens], device=self.device, dtype=torch.int32)
-                self._layer(x, parts[0], cos, sin, cu, [tokens]).float().square().mean().backward()
+                layout = PackedLayout.rows([tokens], self.device)
+                self._layer(x, parts[0], cos, sin, layout).float().square().mean().backward()
             with torch.inference_mode():
-                self._layer(x.detach(), parts[0], cos, sin, cu, [tokens])
+                self._layer(x.detach(), parts[0], cos, sin, layout)
         except Exception as error:  # noqa: BLE001 - any compiler failure
             if isinstance(error, torch.OutOfMemoryError):
                 raise

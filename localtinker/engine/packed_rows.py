@@ -3,7 +3,8 @@
 Each datum keeps its own positions (0, 1, ...) and attends only to itself: on CUDA the flash varlen kernel
 takes the rows' boundaries (``cu_seq_lens``, portable_attention.py); elsewhere transformers reads the
 restarting position ids as packed sequences and builds the block-diagonal causal mask. No token is padding,
-so chat-like batches of 20- and 500-token rows cost their real tokens only.
+so chat-like batches of 20- and 500-token rows cost their real tokens only. Through the written-out layers
+(packed_layers.py), datums that share a prompt (a GRPO group, a DPO pair) run it once (packed_layout.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from localtinker.engine.packed_layout import PackedBatch, packed_batches
 from localtinker.engine.portable_attention import varlen_available, varlen_rows
 from localtinker.engine.prefix_sharing import TokenRows
 
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 # intermediate-sized bf16 tensors (norms, projections, attention output, MLP gates) — a round upper bound.
 _HIDDEN_TENSORS, _INTERMEDIATE_TENSORS, _BYTES = 24, 8, 2
 _MEMORY_SHARE = 0.6  # of the device's free memory; the rest for the logit chunks, the optimizer and slack
+SHARE_PROMPTS = True  # through the written-out layers, a prompt several datums share runs once per micro-batch
 
 
 def device_microbatch_tokens(config: object, device: torch.device, ceiling: int) -> int:
@@ -44,22 +47,6 @@ def device_microbatch_tokens(config: object, device: torch.device, ceiling: int)
     return tokens
 
 
-def packed_microbatches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Datum indices per micro-batch of at most ``budget`` tokens, in order; a longer datum runs alone."""
-    batches: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for index, length in enumerate(lengths):
-        if current and used + length > budget:
-            batches.append(current)
-            current, used = [], 0
-        current.append(index)
-        used += length
-    if current:
-        batches.append(current)
-    return batches
-
-
 def takes_varlen(decoder: torch.nn.Module, device: torch.device) -> bool:
     """Whether packed rows run through the flash varlen kernel: a CUDA device, bf16/fp16 weights (flash has no
     float32), and no attention soft cap (Gemma 2's goes through the masked product instead)."""
@@ -72,27 +59,29 @@ def packed_token_rows(
     decoder: torch.nn.Module, tokens: list[torch.Tensor], targets: list[torch.Tensor], budget: int,
     device: torch.device, layers: PackedLayers | None = None,
 ) -> Iterator[TokenRows]:
-    """Hidden states of every datum position, one packed micro-batch at a time (rows in datum order); through
-    ``layers`` (packed_layers.py) where given and it computes the active adapter, else transformers' layers."""
-    for indices in packed_microbatches([t.shape[0] for t in tokens], budget):
-        yield packed_rows(decoder, indices, tokens, targets, device, layers)
+    """Hidden states of every datum position, one packed micro-batch of at most ``budget`` tokens at a time;
+    through ``layers`` (packed_layers.py) where given and it computes the active adapter, else transformers'
+    layers. Through ``layers``, datums that share a prompt run it once (packed_layout.py, :data:`SHARE_PROMPTS`)."""
+    share = SHARE_PROMPTS and layers is not None and layers.computes_active_adapter()
+    for batch in packed_batches(tokens, targets, budget, share):
+        yield packed_rows(decoder, batch, device, layers)
 
 
-def packed_rows(decoder: torch.nn.Module, indices: list[int], tokens: list[torch.Tensor],
-                targets: list[torch.Tensor], device: torch.device, layers: PackedLayers | None = None) -> TokenRows:
-    lengths = [tokens[i].shape[0] for i in indices]
-    input_ids = torch.cat([tokens[i] for i in indices]).to(device, non_blocking=True)
-    position_ids = torch.cat([torch.arange(n) for n in lengths]).to(device, non_blocking=True)
-    bounds = torch.tensor([0, *lengths]).cumsum(0)
-    cu_seq_lens = bounds.to(device=device, dtype=torch.int32, non_blocking=True)
-    longest = max(lengths)
-    hidden = None if layers is None else layers.hidden(input_ids, position_ids, cu_seq_lens, lengths)
+def packed_rows(decoder: torch.nn.Module, batch: PackedBatch, device: torch.device,
+                layers: PackedLayers | None = None) -> TokenRows:
+    input_ids = batch.input_ids.to(device, non_blocking=True)
+    position_ids = batch.position_ids.to(device, non_blocking=True)
+    layout = batch.layout(device)
+    hidden = None if layers is None else layers.hidden(input_ids, position_ids, layout)
     if hidden is None:
+        if layout.shared:
+            raise RuntimeError("a micro-batch laid out with shared prompts needs the written-out layers "
+                               "(packed_token_rows shares only where they compute the active adapter)")
         with varlen_rows(takes_varlen(decoder, device)):
             hidden = decoder(
                 input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
-                cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=longest, max_length_k=longest,
+                cu_seq_lens_q=layout.cu_q, cu_seq_lens_k=layout.cu_k, max_length_q=layout.max_q,
+                max_length_k=layout.max_k,
             ).last_hidden_state[0]
-    # On the host: the loss gathers them in one copy (engine._micro_batch_loss), not one arange kernel per datum.
-    datum_rows = {index: torch.arange(int(bounds[k]), int(bounds[k + 1])) for k, index in enumerate(indices)}
-    return TokenRows(hidden, torch.cat([targets[i] for i in indices]).to(device, non_blocking=True), datum_rows)
+    # The rows stay on the host: the loss gathers them in one copy (engine._micro_batch_loss).
+    return TokenRows(hidden, batch.targets.to(device, non_blocking=True), batch.datum_rows)

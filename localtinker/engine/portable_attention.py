@@ -15,9 +15,12 @@ import inspect
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import lru_cache
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+
+if TYPE_CHECKING:
+    from localtinker.engine.packed_layout import PackedLayout
 
 NAME = "localtinker_portable"
 _varlen_rows: ContextVar[bool] = ContextVar("localtinker_varlen_rows", default=False)
@@ -117,9 +120,11 @@ def _varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 
 def _varlen_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
-                 scaling: float | None, window: int | None) -> torch.Tensor:
-    """Causal attention of packed rows q [tokens, heads, d], k/v [tokens, kv heads, d] (bounds ``cu``) through
-    the flash varlen kernel; returns [tokens, heads, d]."""
+                 scaling: float | None, window: int | None, cu_k: torch.Tensor | None = None,
+                 longest_k: int | None = None) -> torch.Tensor:
+    """Causal attention of packed rows q [tokens, heads, d], k/v [tokens, kv heads, d] (bounds ``cu``; the
+    keys' own bounds ``cu_k`` where they differ) through the flash varlen kernel; returns [tokens, heads, d].
+    A query segment shorter than its keys is aligned at their end (the kernel's causal mask)."""
     function, takes_window, takes_gqa = _varlen_function()
     heads, key_heads = q.shape[1], k.shape[1]
     if heads != key_heads and not takes_gqa:
@@ -138,26 +143,35 @@ def _varlen_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
             options["scale"] = scaling
         else:  # the kernel's own scale is d^-0.5
             q = q * (scaling * q.shape[-1] ** 0.5)
-    return function(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest, **options)
+    return function(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu if cu_k is None else cu_k, longest,
+                    longest if longest_k is None else longest_k, **options)
 
 
-def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor,
-                            lengths: list[int], scaling: float) -> torch.Tensor:
-    """Causal attention of packed rows, each datum attending to itself only: q [tokens, heads, d], k and v
-    [tokens, kv heads, d]; ``cu_seq_lens`` the rows' bounds on the device, ``lengths`` on the host. Returns
+def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
+                            scaling: float) -> torch.Tensor:
+    """Causal attention of packed rows by ``layout``'s segments (packed_layout.py): q [tokens, heads, d], k and v
+    [tokens, kv heads, d], gathered into the segments' key order where the layout shares prompts. Returns
     [tokens, heads, d]. The flash varlen kernel on CUDA in bf16/fp16 (packed_layers.py's path); elsewhere one
-    causal sdpa per datum, the same function."""
+    sdpa per segment, the same function (a segment shorter than its keys sees them all but its own future)."""
+    if layout.key_rows is not None:
+        k, v = k.index_select(0, layout.key_rows), v.index_select(0, layout.key_rows)
     if varlen_available(q.device) and q.dtype in (torch.bfloat16, torch.float16):
-        return _varlen_core(q, k, v, cu_seq_lens, max(lengths), scaling, None)
+        return _varlen_core(q, k, v, layout.cu_q, layout.max_q, scaling, None, layout.cu_k, layout.max_k)
     group = q.shape[1] // k.shape[1]
-    outputs, start = [], 0
-    for length in lengths:
-        rows = slice(start, start + length)
-        start += length
-        keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+    outputs, q_start, k_start = [], 0, 0
+    for q_length, k_length in zip(layout.q_lengths, layout.k_lengths):
+        queries = q[q_start : q_start + q_length].transpose(0, 1)
+        keys = k[k_start : k_start + k_length].transpose(0, 1)
+        values = v[k_start : k_start + k_length].transpose(0, 1)
+        q_start, k_start = q_start + q_length, k_start + k_length
         if group > 1:
             keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
-        out = torch.nn.functional.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys[None], values[None],
-                                                               is_causal=True, scale=scaling)
+        if q_length == k_length:
+            options: dict[str, Any] = {"is_causal": True}
+        else:  # causal aligned at the end: query i sees keys ≤ i + (k_length − q_length)
+            visible = torch.ones((q_length, k_length), dtype=torch.bool, device=q.device).tril(k_length - q_length)
+            options = {"attn_mask": visible}
+        out = torch.nn.functional.scaled_dot_product_attention(queries[None], keys[None], values[None], scale=scaling,
+                                                               **options)
         outputs.append(out[0].transpose(0, 1))
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]

@@ -210,3 +210,43 @@ def test_a_checkpoint_round_trip_on_the_gpu_keeps_the_optimizer_state_there(tmp_
             assert all(value.device.type == "cuda" and torch.equal(value, expected[key]) for key, value in moments.items())
         engine.forward_backward(model_id, [sft_datum(rng, 16)], "cross_entropy", None, False)
         engine.optim_step(model_id, AdamSpec(learning_rate=1e-3))
+
+
+def test_shared_prompts_through_flash_varlen_equal_whole_rows():
+    """The flash varlen kernel with query segments shorter than their keys (packed_layout.py): a member's own
+    tokens see their whole prompt and their own past, as attending each datum whole does (causal aligned at the
+    keys' end; a kernel aligned at the start would let them see only the prompt's first rows)."""
+    from tests.localtinker.engine.test_packed_layout import segment_attention_by_datum
+
+    shared, whole = segment_attention_by_datum(torch.device("cuda"), torch.bfloat16)
+    for index, expected in whole.items():
+        torch.testing.assert_close(shared[index], expected, atol=2e-2, rtol=0)
+
+
+def test_grpo_batches_share_prompts_on_the_gpu(cuda_bf16, monkeypatch):
+    """A GRPO-shaped batch in bf16 (written-out layers, flash varlen): the shared prompts' logprobs and
+    gradients are those of whole rows, within bf16 rounding."""
+    from localtinker.engine import packed_rows
+
+    cuda_bf16.create_model("cuda:train:share", TINY, LoraSpec(rank=4, seed=3))
+    _random_b(cuda_bf16, "cuda:train:share")
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 49152, size=n) for n in (24, 40)]
+    data = []
+    for prompt in prompts:
+        for _ in range(4):
+            tokens = np.concatenate([prompt, rng.integers(0, 49152, size=int(rng.integers(3, 30)))])
+            data.append(sft_datum(rng, 1))
+            data[-1].tokens = tokens[:-1]
+            data[-1].loss_fn_inputs = {"target_tokens": tokens[1:], "weights": np.ones(len(tokens) - 1, np.float32)}
+    runs = {}
+    for share in (False, True):
+        monkeypatch.setattr(packed_rows, "SHARE_PROMPTS", share)
+        result = cuda_bf16.forward_backward("cuda:train:share", data, "cross_entropy", None, False)
+        runs[share] = [o["logprobs"] for o in result.loss_fn_outputs], cuda_bf16.lora_grads("cuda:train:share")
+        cuda_bf16.optim_step("cuda:train:share", AdamSpec(learning_rate=0.0))
+    errors = np.concatenate([np.abs(a - b) for a, b in zip(runs[True][0], runs[False][0])])
+    assert errors.mean() < BF16_MEAN and errors.max() < BF16_MAX, (errors.mean(), errors.max())
+    for key, expected in runs[False][1].items():
+        scale = float(expected.abs().max())
+        assert float((runs[True][1][key] - expected).abs().max()) <= 0.05 * scale + 1e-6, key

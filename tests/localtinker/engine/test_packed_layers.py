@@ -14,6 +14,7 @@ import torch
 from localtinker.engine.api import LoraSpec
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.packed_layers import PackedLayers
+from localtinker.engine.packed_layout import PackedLayout, packed_batches
 from localtinker.engine.packed_rows import packed_rows
 from tests.localtinker.engine.families import FAMILIES, family_dir
 from tests.localtinker.engine.test_families import _datum
@@ -58,8 +59,8 @@ def _hidden_and_grads(engine: LocalEngine, model_id: str, layers: PackedLayers |
     for param in model.params.values():
         param.grad = None
     with host.adapters.activated(model.adapter if adapter else None):
-        rows = packed_rows(host.base.model.get_decoder(), list(range(len(tokens))), tokens, tokens,
-                           torch.device("cpu"), layers)
+        [batch] = packed_batches(tokens, tokens, budget=10**6, share=False)
+        rows = packed_rows(host.base.model.get_decoder(), batch, torch.device("cpu"), layers)
         weights = torch.linspace(-1, 1, rows.hidden.shape[-1])
         if rows.hidden.requires_grad:  # the bare model has nothing to train
             (rows.hidden * weights).sum().backward()
@@ -109,9 +110,8 @@ def test_an_adapter_this_path_cannot_compute_runs_transformers_layers(tmp_path):
     q_proj.lora_dropout[model.adapter] = torch.nn.Dropout(0.0)
     tokens = _tokens()
     with engine._hosts[model.base_name].adapters.activated(model.adapter):
-        cu = torch.tensor([0, *np.cumsum(LENGTHS)], dtype=torch.int32)
         positions = torch.cat([torch.arange(n) for n in LENGTHS])
-        assert layers.hidden(torch.cat(tokens), positions, cu, list(LENGTHS)) is None
+        assert layers.hidden(torch.cat(tokens), positions, PackedLayout.rows(list(LENGTHS), torch.device("cpu"))) is None
     ours, _ = _hidden_and_grads(engine, model_id, layers)
     theirs, _ = _hidden_and_grads(engine, model_id, None)
     torch.testing.assert_close(ours, theirs, atol=0, rtol=0)

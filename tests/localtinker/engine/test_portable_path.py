@@ -12,7 +12,6 @@ import torch
 from localtinker.engine import chunked_logprobs, engine as engine_module
 from localtinker.engine.api import LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
-from localtinker.engine.packed_rows import packed_microbatches
 from tests.localtinker.engine.reference import TINY, sft_datum
 
 LORA = LoraSpec(rank=4, seed=5)
@@ -30,10 +29,6 @@ def _randomise_b(engine: LocalEngine, model_id: str) -> None:
         for key, param in model.params.items():
             if key.endswith("lora_B"):
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-
-
-def test_packing_keeps_order_and_budget():
-    assert packed_microbatches([5, 5, 5, 20, 3], budget=12) == [[0, 1], [2], [3], [4]]
 
 
 def test_packed_rows_equal_the_tuned_path(portable, engine, new_id, monkeypatch):

@@ -1,0 +1,184 @@
+"""Packed micro-batches in which datums that share a prompt run it once: the tokens' order and what each
+token attends to.
+
+An RL batch holds each prompt G times (one datum per sample) and a DPO batch twice. packed_rows.py lays the
+datums end to end, each attending to itself, so a GRPO step of 16 prompts × 8 samples runs every prompt 8 times
+through every projection and through the unembedding. Here a group's prefix is laid once, then each member's
+own tokens:
+
+    [prefix of group 1][own 1.1][own 1.2]…[prefix of group 2][own 2.1]…[a datum alone]…
+
+Attention runs over *segments*: a query segment and the key rows it reads. A prefix attends to itself; a
+member's own tokens attend to their group's prefix rows and then to themselves (causal, aligned at the end:
+its first own token sees the whole prefix); a datum alone attends to itself. The flash varlen kernel takes
+query and key segments of different lengths (``cu_seq_q`` ≠ ``cu_seq_k``), with the keys and values gathered
+into segment order first — a copy of ``[tokens, kv heads, head dim]`` per layer, small beside a layer's products.
+Autograd sums the members' gradients into the prefix rows through that gather.
+
+Which datums share what comes from prefix_sharing.py (:func:`~localtinker.engine.prefix_sharing.sharing_keys`):
+the positions whose token *and* target every member has in common run once, so a prefix stops one position
+before the tokens part (the prompt's last token, whose target is each sample's first token, is each member's
+first own token). Every packed row then has one target, and each datum's rows are its positions in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from localtinker.engine.prefix_sharing import PrefixGroup, group_by_prefix, sharing_keys
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Attention segments of a packed micro-batch: query segment *i* is packed rows ``cu_q[i]:cu_q[i+1]``, and
+    reads key rows ``cu_k[i]:cu_k[i+1]`` of the keys gathered by ``key_rows`` (None: the packed rows themselves,
+    ``cu_k`` = ``cu_q``). Bounds on the device and their lengths on the host."""
+
+    cu_q: torch.Tensor  # int32 [segments + 1]
+    cu_k: torch.Tensor  # int32 [segments + 1]
+    q_lengths: tuple[int, ...]
+    k_lengths: tuple[int, ...]
+    key_rows: torch.Tensor | None = None  # int64 [Σ k_lengths]: packed rows, in segment order
+
+    @property
+    def max_q(self) -> int:
+        return max(self.q_lengths)
+
+    @property
+    def max_k(self) -> int:
+        return max(self.k_lengths)
+
+    @property
+    def shared(self) -> bool:
+        return self.key_rows is not None
+
+    @classmethod
+    def rows(cls, lengths: list[int], device: torch.device) -> PackedLayout:
+        """Datums end to end, each attending to itself."""
+        cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32).to(device, non_blocking=True)
+        return cls(cu, cu, tuple(lengths), tuple(lengths))
+
+
+@dataclass
+class PackedBatch:
+    """One micro-batch laid out for the model: token ids and positions in packed order, each packed row's
+    target, each datum's rows (its positions, in order), and the attention segments."""
+
+    input_ids: torch.Tensor  # int64 [tokens], on the host
+    position_ids: torch.Tensor  # int64 [tokens], on the host
+    targets: torch.Tensor  # int64 [tokens], on the host
+    datum_rows: dict[int, torch.Tensor]  # datum index -> int64 rows, on the host
+    q_lengths: list[int]
+    k_segments: list[list[tuple[int, int]]]  # per query segment: the (start, length) ranges of packed rows it reads
+
+    @property
+    def tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def layout(self, device: torch.device) -> PackedLayout:
+        if all(len(ranges) == 1 for ranges in self.k_segments):
+            return PackedLayout.rows(self.q_lengths, device)
+        k_lengths = [sum(length for _, length in ranges) for ranges in self.k_segments]
+        rows = np.concatenate([np.arange(start, start + length) for ranges in self.k_segments for start, length in ranges])
+        cu_q = torch.tensor([0, *np.cumsum(self.q_lengths).tolist()], dtype=torch.int32)
+        cu_k = torch.tensor([0, *np.cumsum(k_lengths).tolist()], dtype=torch.int32)
+        return PackedLayout(cu_q.to(device, non_blocking=True), cu_k.to(device, non_blocking=True),
+                            tuple(self.q_lengths), tuple(k_lengths),
+                            torch.from_numpy(rows).to(device, non_blocking=True))
+
+
+class _Builder:
+    """Lays out one micro-batch, unit by unit."""
+
+    def __init__(self, tokens: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        self.tokens, self.targets = tokens, targets
+        self.ids: list[torch.Tensor] = []
+        self.positions: list[torch.Tensor] = []
+        self.row_targets: list[torch.Tensor] = []
+        self.datum_rows: dict[int, torch.Tensor] = {}
+        self.q_lengths: list[int] = []
+        self.k_segments: list[list[tuple[int, int]]] = []
+        self.used = 0
+
+    def _lay(self, ids: torch.Tensor, first_position: int, targets: torch.Tensor) -> tuple[int, int]:
+        start, length = self.used, int(ids.shape[0])
+        self.ids.append(ids)
+        self.positions.append(torch.arange(first_position, first_position + length))
+        self.row_targets.append(targets)
+        self.used += length
+        return start, length
+
+    def alone(self, index: int) -> None:
+        start, length = self._lay(self.tokens[index], 0, self.targets[index])
+        self.q_lengths.append(length)
+        self.k_segments.append([(start, length)])
+        self.datum_rows[index] = torch.arange(start, start + length)
+
+    def group(self, members: list[int], prefix: int) -> None:
+        """``members`` after their common ``prefix`` positions, laid once."""
+        first = members[0]
+        prefix_range = self._lay(self.tokens[first][:prefix], 0, self.targets[first][:prefix])
+        self.q_lengths.append(prefix)
+        self.k_segments.append([prefix_range])
+        prefix_rows = torch.arange(prefix_range[0], prefix_range[0] + prefix)
+        for index in members:
+            own = self._lay(self.tokens[index][prefix:], prefix, self.targets[index][prefix:])
+            self.q_lengths.append(own[1])
+            self.k_segments.append([prefix_range, own])
+            self.datum_rows[index] = torch.cat([prefix_rows, torch.arange(own[0], own[0] + own[1])])
+
+    def batch(self) -> PackedBatch:
+        return PackedBatch(torch.cat(self.ids), torch.cat(self.positions), torch.cat(self.row_targets),
+                           self.datum_rows, self.q_lengths, self.k_segments)
+
+
+def packed_batches(tokens: list[torch.Tensor], targets: list[torch.Tensor], budget: int,
+                   share: bool) -> list[PackedBatch]:
+    """The datums in micro-batches of at most ``budget`` packed tokens (a datum longer than that runs alone),
+    each group that shares a prompt (``share``) laying its prefix once per micro-batch it reaches: a group too
+    big for one is cut where the budget ends, and the next part lays the prefix again."""
+    lengths = [int(t.shape[0]) for t in tokens]
+    groups = (group_by_prefix(sharing_keys(tokens, targets)) if share
+              else [PrefixGroup((i,), 0) for i in range(len(tokens))])
+    batches: list[PackedBatch] = []
+    builder = _Builder(tokens, targets)
+
+    def flush() -> None:
+        nonlocal builder
+        if builder.used:
+            batches.append(builder.batch())
+        builder = _Builder(tokens, targets)
+
+    for group in groups:
+        prefix = group.shared - 1  # the positions with a common target too (module docstring)
+        if len(group.members) == 1 or prefix <= 0:
+            for index in group.members:
+                if builder.used and builder.used + lengths[index] > budget:
+                    flush()
+                builder.alone(index)
+            continue
+        chunk: list[int] = []
+        pending = 0  # the chunk's tokens, laid when it closes
+        for index in sorted(group.members, key=lambda i: lengths[i]):
+            cost = lengths[index] - prefix + (0 if chunk else prefix)
+            if builder.used + pending + cost > budget and (chunk or builder.used):
+                if chunk:
+                    _lay_chunk(builder, chunk, prefix)
+                flush()
+                chunk, pending, cost = [], 0, lengths[index]
+            chunk.append(index)
+            pending += cost
+        _lay_chunk(builder, chunk, prefix)
+    flush()
+    return batches
+
+
+def _lay_chunk(builder: _Builder, chunk: list[int], prefix: int) -> None:
+    """A group's members of one micro-batch: one member alone runs as a plain datum (nothing to share)."""
+    if len(chunk) == 1:
+        builder.alone(chunk[0])
+    else:
+        builder.group(chunk, prefix)
