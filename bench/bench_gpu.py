@@ -271,6 +271,42 @@ def compare_training_layers(key: str, engine, name: str, model_id: str, data, re
         engine.train_layers = True
 
 
+def compare_training_graphs(key: str, engine, name: str, sft_step: Callable[[], object],
+                            chat_step: Callable[[], object] | None, repeats: int, results: dict[str, float],
+                            profile: bool) -> None:
+    """The SFT step (and the chat rows) again with the training pieces replayed as CUDA graphs
+    (``LOCALTINKER_TRAIN_GRAPHS=1``, packed_layers.py), in this process: the opt-in path's time against the
+    same baseline. A failure is printed and the pieces go back to compiled without graphs."""
+    from localtinker.engine.packed_layers import PackedLayers
+
+    layers = PackedLayers.for_model(engine._hosts[name].base.model) if engine.train_layers else None
+    if layers is None or not layers.compiled:
+        return
+    layers.set_graphs(True)
+    try:
+        reset_peak()
+        sft = timed(sft_step, repeats)
+        say(f"{key}.ours_graphs.sft_s", sft, " s")
+        say(f"{key}.ours_graphs.sft_peak_gib", peak_gib(), " GiB")
+        if f"{key}.hf.sft_s" in results:
+            say(f"{key}.sft_ratio_graphs", results[f"{key}.hf.sft_s"] / sft, "x")
+        if chat_step is not None:
+            chat = timed(chat_step, repeats)
+            say(f"{key}.ours_graphs.chat_s", chat, " s")
+            if f"{key}.hf.chat_s" in results:
+                say(f"{key}.chat_ratio_graphs", results[f"{key}.hf.chat_s"] / chat, "x")
+        say(f"{key}.ours_graphs.still_graphed", float(layers.graphs))
+        if profile:
+            profile_ours(sft_step, "SFT step 8 x 512, CUDA graphs")
+    except Exception as error:  # noqa: BLE001 - a bench of an opt-in path: say what failed, go on
+        print(f"  {key}: training graphs failed: {type(error).__name__}: {str(error).splitlines()[0]}", flush=True)
+    finally:
+        if layers.compile_error:
+            print(f"  {key}: training graphs: {layers.compile_error}", flush=True)
+        layers.compiled, layers.compile_error = True, None  # a fallback here must not slow the parts after it
+        layers.set_graphs(False)
+
+
 def float32_logprobs(shape: dict, lora: dict[str, torch.Tensor], data) -> np.ndarray:
     """The same random weights (build_model's seed) and adapter in float32 through transformers' layers: the
     exact values both bf16 paths approximate."""
@@ -457,6 +493,10 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
     # an RL loop trains right after sampling, and a slower step here is what it would pay.
     say(f"{key}.ours.sft_after_sampling_s", timed(lambda: our_step(engine, model_id, sft_data), repeats), " s")
     say(f"{key}.peak_gib", peak_gib(), " GiB")
+    if key == "1b":
+        chat_run = None if big else (lambda: our_step(engine, model_id, chat_data))
+        compare_training_graphs(key, engine, name, lambda: our_step(engine, model_id, sft_data), chat_run, repeats,
+                                results, profile)
     if profile and key == "1b":
         profile_ours(lambda: our_step(engine, model_id, sft_data), "SFT step 8 x 512")
         profile_ours(lambda: our_sample(engine, f"sampler-{key}", prompts, 16), "sampling 64 x 16")

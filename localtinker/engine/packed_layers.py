@@ -14,7 +14,8 @@ bf16/fp16, one sdpa per segment elsewhere.
 
 Taken where static decode is (Llama, Qwen2, Qwen3, Mistral without sliding windows) and the active adapter is
 plain (lora.py); anything else runs transformers' layers. ``LOCALTINKER_TRAIN_LAYERS=0`` turns this path off,
-``LOCALTINKER_TRAIN_COMPILE=0`` keeps it uncompiled.
+``LOCALTINKER_TRAIN_COMPILE=0`` keeps it uncompiled; ``LOCALTINKER_TRAIN_GRAPHS=1`` replays the compiled pieces as
+CUDA graphs over a few buckets of packed length (opt-in until measured on a GPU).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from localtinker.engine.static_decode import frozen_layer, shared_weights, stati
 
 LAYERS_ENV = "LOCALTINKER_TRAIN_LAYERS"  # "0": the trainer runs transformers' layers
 COMPILE_ENV = "LOCALTINKER_TRAIN_COMPILE"  # "0": the pieces run uncompiled
+GRAPHS_ENV = "LOCALTINKER_TRAIN_GRAPHS"  # "1": the compiled pieces replay as CUDA graphs (see PackedLayers.graphs)
+_MIN_BUCKET = 256  # packed tokens of the smallest graph bucket
 _KEPT = "_localtinker_packed_layers"  # on the causal LM: its PackedLayers (False: not taken), decided once
 _PROBE_TOKENS = 8
 logger = logging.getLogger("localtinker.engine")
@@ -50,6 +53,21 @@ _NO_FACTORS: Factors = ((), (), ())
 def layers_by_default(device: torch.device) -> bool:
     """The written-out layers on CUDA devices, unless ``LOCALTINKER_TRAIN_LAYERS=0``."""
     return device.type == "cuda" and os.environ.get(LAYERS_ENV) != "0"
+
+
+def graphs_by_default(device: torch.device) -> bool:
+    """CUDA graphs of the training pieces where asked (``LOCALTINKER_TRAIN_GRAPHS=1``) on a CUDA device: off by
+    default until measured on a GPU (docs/localtinker-gpu.md)."""
+    return device.type == "cuda" and os.environ.get(GRAPHS_ENV) == "1"
+
+
+def token_bucket(tokens: int) -> int:
+    """``tokens`` rounded up to a graph bucket: at least 256, then four buckets per doubling, so a micro-batch
+    pads at most 25% and a few graphs serve every length up to the micro-batch budget."""
+    if tokens <= _MIN_BUCKET:
+        return _MIN_BUCKET
+    step = 1 << (tokens.bit_length() - 3)
+    return -(-tokens // step) * step
 
 
 def _lora(dtype: torch.dtype, factors: Factors) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -84,16 +102,18 @@ def train_post_attention(out: torch.Tensor, x: torch.Tensor, o_proj: tuple, o_fa
 
 
 PIECES = (train_pre_attention, train_post_attention)
-_compiled: dict[Callable, Callable] = {}
+_compiled: dict[tuple[Callable, bool], Callable] = {}
 
 
-def pieces(compiled: bool) -> tuple[Callable, ...]:
+def pieces(compiled: bool, graphs: bool = False) -> tuple[Callable, ...]:
     """The two pieces, compiled once per process when asked (dynamic in the token count: tensors' first
-    dimension is marked dynamic on every call)."""
+    dimension is marked dynamic on every call); with ``graphs``, in inductor's ``reduce-overhead`` mode, whose
+    compiled code replays as CUDA graphs (one per piece, layer, grad mode and token bucket)."""
     if not compiled:
         return PIECES
     allow_recompiles()
-    return tuple(_compiled.setdefault(fn, torch.compile(fn, fullgraph=True)) for fn in PIECES)
+    mode = "reduce-overhead" if graphs else None
+    return tuple(_compiled.setdefault((fn, graphs), torch.compile(fn, fullgraph=True, mode=mode)) for fn in PIECES)
 
 
 def _active_factors(modules: Sequence[torch.nn.Module]) -> Factors | None:
@@ -152,7 +172,7 @@ def _mark_tokens_dynamic(*tensors: torch.Tensor | None) -> None:
 class PackedLayers:
     """One base model's decoder forward over packed rows (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, compiled: bool | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, compiled: bool | None = None, graphs: bool | None = None) -> None:
         decoder = model.get_decoder()
         self.embed, self.norm, self.rotary = decoder.embed_tokens, decoder.norm, decoder.rotary_emb
         self.layers = list(decoder.layers)
@@ -161,7 +181,10 @@ class PackedLayers:
         by_default, why_not = compile_by_default(self.device, COMPILE_ENV)
         self.compiled = by_default if compiled is None else compiled
         self.compile_error: str | None = None if self.compiled else why_not
-        self._pieces = pieces(self.compiled)
+        # CUDA graphs of the compiled pieces: a step's host time is then a replay per piece rather than the
+        # compiled code's own launches (~1 ms per call on a 1B model, docs/localtinker-gpu.md)
+        self.graphs = self.compiled and (graphs_by_default(self.device) if graphs is None else graphs)
+        self._pieces = pieces(self.compiled, self.graphs)
         self._probed = not self.compiled
         # each layer's projection groups: one product per group (q/k/v and gate/up over shared weights)
         self._groups = [
@@ -190,11 +213,14 @@ class PackedLayers:
             # (weight, bias) of each group; q/k/v and gate/up as views of one tensor (kept once made)
             bases = {name: shared_weights([frozen_layer(m) for m in modules]) for name, modules in groups.items()}
             q_norm, k_norm = getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)
-            parts.append(LayerParts(
+            part = LayerParts(
                 layer.input_layernorm.weight, bases["qkv"], factors["qkv"], None if q_norm is None else q_norm.weight,
                 None if k_norm is None else k_norm.weight, bases["o_proj"], factors["o_proj"],
                 layer.post_attention_layernorm.weight, bases["gate_up"], factors["gate_up"], bases["down"],
-                factors["down"]))
+                factors["down"])
+            if self.graphs:
+                _mark_static(part)
+            parts.append(part)
         return parts
 
     def computes_active_adapter(self) -> bool:
@@ -211,12 +237,41 @@ class PackedLayers:
         if not self._probed:
             self._probe(parts)
         try:
+            if self.graphs:
+                return self._graphed_forward(parts, input_ids, position_ids, layout)
             return self._forward(parts, input_ids, position_ids, layout)
         except Exception as error:  # noqa: BLE001 - a compiler failure: say why once, run uncompiled
             if not self.compiled or isinstance(error, (ValueError, torch.OutOfMemoryError)):
                 raise
             self._uncompile(error)
             return self._forward(parts, input_ids, position_ids, layout)
+
+    def set_graphs(self, graphs: bool) -> None:
+        """Turns the pieces' CUDA graphs on or off (compiled pieces only; the bench compares both in one process)."""
+        self.graphs = self.compiled and graphs
+        self._pieces = pieces(self.compiled, self.graphs)
+
+    def _graphed_forward(self, parts: list[LayerParts], input_ids: torch.Tensor, position_ids: torch.Tensor,
+                         layout: PackedLayout) -> torch.Tensor:
+        """:meth:`_forward` with the pieces replayed as CUDA graphs: the micro-batch padded to its
+        :func:`token_bucket` (the padding a segment of its own, its rows dropped after), a new graph step begun
+        (the previous micro-batch's outputs are consumed by then), and the adapter's gradients allocated before
+        the backward, so that it adds into them rather than keeping a gradient that lives in the graphs' memory
+        (the next replay would overwrite it)."""
+        tokens = int(input_ids.shape[0])
+        total = token_bucket(tokens)
+        if total > tokens:
+            pad = torch.arange(total - tokens, device=input_ids.device)
+            input_ids = torch.cat([input_ids, torch.zeros_like(pad)])
+            position_ids = torch.cat([position_ids, pad])
+            layout = layout.padded(tokens, total)
+        torch.compiler.cudagraph_mark_step_begin()
+        if torch.is_grad_enabled():
+            for part in parts:
+                for tensor in part.trained():
+                    if tensor.requires_grad and tensor.grad is None:
+                        tensor.grad = torch.zeros_like(tensor)
+        return self._forward(parts, input_ids, position_ids, layout)[:tokens]
 
     def _forward(self, parts: list[LayerParts], input_ids: torch.Tensor, position_ids: torch.Tensor,
                  layout: PackedLayout) -> torch.Tensor:
@@ -265,6 +320,8 @@ class PackedLayers:
         for tensor in factors:
             tensor.grad = None  # (the backward would add into them in place)
         try:
+            if self.graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             with torch.inference_mode(False), torch.enable_grad():
                 x = torch.randn((tokens, self.embed.weight.shape[1]), device=self.device, dtype=self.embed.weight.dtype,
                                 requires_grad=True)
@@ -287,4 +344,15 @@ class PackedLayers:
         self.compile_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         warnings.warn(f"packed layers: compiling the training layers failed ({self.compile_error}); running them "
                       "uncompiled", RuntimeWarning, stacklevel=3)
-        self.compiled, self._pieces = False, pieces(False)
+        self.compiled, self.graphs, self._pieces = False, False, pieces(False)
+
+
+def _mark_static(part: LayerParts) -> None:
+    """Tells the graphs that a layer's weights, norms and adapter factors keep their addresses (the optimizer
+    updates the factors in place), so a replay reads them where they are instead of copying each into the
+    graph's own input buffers. Unguarded: a tensor that does move makes the graph record again, not recompile."""
+    tensors = [part.norm, *part.qkv, part.q_norm, part.k_norm, *part.o_proj, part.post_norm, *part.gate_up,
+               *part.down, *part.trained()]
+    for tensor in tensors:
+        if tensor is not None and getattr(tensor, "_dynamo_static_input_type", None) is None:
+            torch._dynamo.mark_static_address(tensor)

@@ -55,6 +55,18 @@ class PackedLayout:
     def shared(self) -> bool:
         return self.key_rows is not None
 
+    def padded(self, tokens: int, total: int) -> PackedLayout:
+        """This layout over ``tokens`` packed rows, followed by ``total − tokens`` rows of padding that attend to
+        themselves only (a CUDA graph serves a bucket of token counts, packed_layers.py)."""
+        pad = total - tokens
+        if pad <= 0:
+            return self
+        key_rows = self.key_rows
+        if key_rows is not None:
+            key_rows = torch.cat([key_rows, torch.arange(tokens, total, device=key_rows.device)])
+        return PackedLayout(torch.cat([self.cu_q, self.cu_q[-1:] + pad]), torch.cat([self.cu_k, self.cu_k[-1:] + pad]),
+                            (*self.q_lengths, pad), (*self.k_lengths, pad), key_rows)
+
     @classmethod
     def rows(cls, lengths: list[int], device: torch.device) -> PackedLayout:
         """Datums end to end, each attending to itself."""

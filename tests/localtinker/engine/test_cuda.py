@@ -250,3 +250,50 @@ def test_grpo_batches_share_prompts_on_the_gpu(cuda_bf16, monkeypatch):
     for key, expected in runs[False][1].items():
         scale = float(expected.abs().max())
         assert float((runs[True][1][key] - expected).abs().max()) <= 0.05 * scale + 1e-6, key
+
+
+def test_training_pieces_replayed_as_cuda_graphs_train_as_without(tmp_path, monkeypatch):
+    """``LOCALTINKER_TRAIN_GRAPHS=1`` (packed_layers.py): over several micro-batches of different buckets, two
+    forward_backward calls (gradients accumulate) and an optimizer step (the factors move in place: the graphs
+    must read them where they are), the logprobs and gradients are those of the compiled pieces without graphs,
+    and no piece skipped its graphs."""
+    from localtinker.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "device_microbatch_tokens", lambda *args: 1024)
+    check_graphed_training(LocalEngine(tmp_path, dtype="float32", device="cuda"))
+
+
+def check_graphed_training(engine: LocalEngine, replayed: bool = True) -> None:
+    """The check above on ``engine``; ``replayed=False`` where the compiler skips the graphs (a CPU)."""
+    from torch._dynamo.utils import counters
+
+    from localtinker.engine.packed_layers import PackedLayers
+
+    rng = np.random.default_rng(8)
+    data = [sft_datum(rng, n) for n in (300, 500, 90, 700, 260, 410)]
+    runs = {}
+    for graphs in (False, True):
+        model_id = f"cuda:train:graphs:{graphs}"
+        engine.create_model(model_id, TINY, LoraSpec(rank=4, seed=2))
+        _random_b(engine, model_id)  # the same adapter for both
+        layers = PackedLayers.for_model(engine._hosts[TINY].base.model)
+        assert layers is not None and layers.compiled, layers and layers.compile_error
+        layers.set_graphs(graphs)
+        counters.clear()
+        engine.forward_backward(model_id, data, "cross_entropy", None, False)
+        engine.forward_backward(model_id, data[::-1], "cross_entropy", None, False)
+        grads = engine.lora_grads(model_id)
+        engine.optim_step(model_id, AdamSpec(learning_rate=1e-2))
+        result = engine.forward_backward(model_id, data, "cross_entropy", None, False)
+        runs[graphs] = [o["logprobs"] for o in result.loss_fn_outputs], grads, engine.lora_grads(model_id)
+        assert layers.compiled and layers.graphs == graphs
+        assert (counters["inductor"]["cudagraph_skips"] == 0) == (replayed or not graphs)
+    for without, with_graphs in zip(runs[False][0], runs[True][0]):
+        np.testing.assert_allclose(with_graphs, without, atol=1e-4)
+    for grads_without, grads_with in zip(runs[False][1:], runs[True][1:]):
+        assert grads_with.keys() == grads_without.keys()
+        for key, expected in grads_without.items():
+            if expected is None:
+                assert grads_with[key] is None, key
+                continue
+            assert float((grads_with[key] - expected).abs().max()) <= 1e-4 * float(expected.abs().max()) + 1e-7, key

@@ -13,7 +13,7 @@ import torch
 
 from localtinker.engine.api import LoraSpec
 from localtinker.engine.engine import LocalEngine
-from localtinker.engine.packed_layers import PackedLayers
+from localtinker.engine.packed_layers import PackedLayers, token_bucket
 from localtinker.engine.packed_layout import PackedLayout, packed_batches
 from localtinker.engine.packed_rows import packed_rows
 from tests.localtinker.engine.families import FAMILIES, family_dir
@@ -185,3 +185,43 @@ def test_compiled_pieces_train_as_the_uncompiled_ones(tmp_path):
     # per piece: without autograd, and with it for an input that does (and the first layer's, that does not)
     # require grad — and no new graph for another token count
     assert graphs[0] == graphs[1] <= 6, graphs
+
+
+def test_token_buckets_cover_every_length_with_little_padding():
+    buckets = {token_bucket(n) for n in range(1, 16385)}
+    assert len(buckets) <= 25  # a few graphs serve every micro-batch up to the 1B budget
+    for n in range(1, 16385):
+        assert n <= token_bucket(n) and (n <= 256 or token_bucket(n) <= 1.25 * n)
+    assert token_bucket(4096) == 4096 and token_bucket(4097) == 5120
+
+
+def test_graphed_pieces_pad_to_a_bucket_and_train_as_the_uncompiled_ones(tmp_path):
+    """``graphs=True`` (``LOCALTINKER_TRAIN_GRAPHS=1``): on the CPU the compiler skips the CUDA graphs and keeps
+    the rest of the path, so this checks the padding to a bucket (plain and shared-prompt layouts), the rows
+    returned, and the gradients allocated before the backward — which must add to those of a step so far."""
+    engine, model_id = _engine(tmp_path, "llama")
+    model = engine._models[model_id]
+    host = engine._hosts[model.base_name]
+    plain = PackedLayers(host.base.model, compiled=False)
+    graphed = PackedLayers(host.base.model, compiled=True, graphs=True)
+    assert graphed.graphs and not PackedLayers(host.base.model, compiled=False, graphs=True).graphs
+    prompt = _tokens(5, (30,))[0]
+    tokens = [torch.cat([prompt, t]) for t in _tokens(6, (5, 9, 4))] + _tokens(7, (13,))
+    for share in (False, True):
+        [batch] = packed_batches(tokens, tokens, budget=10**6, share=share)
+        results = []
+        for layers in (plain, graphed):
+            for param in model.params.values():
+                param.grad = None
+            with host.adapters.activated(model.adapter):
+                for _ in range(2):  # two micro-batches: the second backward adds to the first one's gradients
+                    rows = packed_rows(host.base.model.get_decoder(), batch, torch.device("cpu"), layers)
+                    assert rows.hidden.shape[0] == batch.tokens < token_bucket(batch.tokens)
+                    (rows.hidden * torch.linspace(-1, 1, rows.hidden.shape[-1])).sum().backward()
+            results.append((rows.hidden.detach(), {k: p.grad.clone() for k, p in model.params.items()
+                                                   if p.grad is not None}))
+        (theirs, their_grads), (ours, our_grads) = results
+        assert graphed.compiled and graphed.graphs, graphed.compile_error
+        torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=0)
+        _assert_grads_close({k: g for k, g in our_grads.items() if k in their_grads}, their_grads)
+        assert all(not g.any() for k, g in our_grads.items() if k not in their_grads)  # allocated, untouched

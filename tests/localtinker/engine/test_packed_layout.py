@@ -16,7 +16,6 @@ from localtinker.engine.packed_layers import PackedLayers
 from localtinker.engine.packed_layout import PackedBatch, PackedLayout, packed_batches
 from localtinker.engine.packed_rows import packed_rows
 from localtinker.engine.portable_attention import packed_causal_attention
-from tests.localtinker.engine.families import family_dir
 from tests.localtinker.engine.reference import TINY, ReferenceModel
 from tests.localtinker.engine.test_losses import assert_grad_close, reference_loss
 from tests.localtinker.engine.test_packed_layers import _engine
