@@ -243,7 +243,10 @@ class PackedLayers:
         except Exception as error:  # noqa: BLE001 - a compiler failure: say why once, run uncompiled
             if not self.compiled or isinstance(error, (ValueError, torch.OutOfMemoryError)):
                 raise
-            self._uncompile(error)
+            if self.graphs:  # the graphs failed: the compiled pieces without them
+                self._ungraph(error)
+            else:
+                self._uncompile(error)
             return self._forward(parts, input_ids, position_ids, layout)
 
     def set_graphs(self, graphs: bool) -> None:
@@ -309,7 +312,8 @@ class PackedLayers:
     def _probe(self, parts: list[LayerParts]) -> None:
         """Compiles the pieces once, forward and backward, on a few tokens through the first layer's weights
         (the backward is compiled at its first call, where a failure could not fall back): a compiler that
-        fails here leaves the path uncompiled, with the reason in ``compile_error``."""
+        fails here leaves the path uncompiled, with the reason in ``compile_error``; with CUDA graphs, a failure
+        turns the graphs off and probes the compiled pieces again."""
         self._probed = True
         started = time.perf_counter()
         # the first training step of a process waits for the compiler (tens of seconds on a GPU): say so
@@ -333,12 +337,26 @@ class PackedLayers:
         except Exception as error:  # noqa: BLE001 - any compiler failure
             if isinstance(error, torch.OutOfMemoryError):
                 raise
-            self._uncompile(error)
-            return
+            graphs = self.graphs
+            if graphs:  # the compiled pieces may still work without their graphs: probe them again
+                self._ungraph(error)
+            else:
+                self._uncompile(error)
+        else:
+            graphs = False
+            logger.info("packed layers: pieces compiled in %.1f s", time.perf_counter() - started)
         finally:
             for tensor, grad in zip(factors, kept_grads):
                 tensor.grad = grad
-        logger.info("packed layers: pieces compiled in %.1f s", time.perf_counter() - started)
+        if graphs:
+            self._probed = False
+            self._probe(parts)
+
+    def _ungraph(self, error: Exception) -> None:
+        self.compile_error = f"CUDA graphs: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        warnings.warn(f"packed layers: replaying the training pieces as CUDA graphs failed ({self.compile_error}); "
+                      "running them compiled without graphs", RuntimeWarning, stacklevel=3)
+        self.set_graphs(False)
 
     def _uncompile(self, error: Exception) -> None:
         self.compile_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"

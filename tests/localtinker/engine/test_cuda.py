@@ -285,6 +285,9 @@ def check_graphed_training(engine: LocalEngine, replayed: bool = True) -> None:
         grads = engine.lora_grads(model_id)
         engine.optim_step(model_id, AdamSpec(learning_rate=1e-2))
         result = engine.forward_backward(model_id, data, "cross_entropy", None, False)
+        scored = engine.forward_backward(model_id, data[:3], "cross_entropy", None, True)  # inference mode
+        for trained, forward_only in zip(result.loss_fn_outputs, scored.loss_fn_outputs):
+            np.testing.assert_allclose(forward_only["logprobs"], trained["logprobs"], atol=1e-5)
         runs[graphs] = [o["logprobs"] for o in result.loss_fn_outputs], grads, engine.lora_grads(model_id)
         assert layers.compiled and layers.graphs == graphs
         assert (counters["inductor"]["cudagraph_skips"] == 0) == (replayed or not graphs)

@@ -225,3 +225,20 @@ def test_graphed_pieces_pad_to_a_bucket_and_train_as_the_uncompiled_ones(tmp_pat
         torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=0)
         _assert_grads_close({k: g for k, g in our_grads.items() if k in their_grads}, their_grads)
         assert all(not g.any() for k, g in our_grads.items() if k not in their_grads)  # allocated, untouched
+
+
+def test_failing_graphs_leave_the_pieces_compiled_without_them(tmp_path, monkeypatch):
+    engine, model_id = _engine(tmp_path, "llama")
+    base = engine._hosts[str(family_dir("llama"))].base.model
+    theirs, their_grads = _hidden_and_grads(engine, model_id, PackedLayers(base, compiled=False))
+    graphed = PackedLayers(base, compiled=True, graphs=True)
+
+    def broken() -> None:
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", broken)
+    with pytest.warns(RuntimeWarning, match="as CUDA graphs failed"):
+        ours, our_grads = _hidden_and_grads(engine, model_id, graphed)
+    assert graphed.compiled and not graphed.graphs and graphed.compile_error.startswith("CUDA graphs: RuntimeError")
+    torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=0)
+    _assert_grads_close(our_grads, their_grads)
