@@ -17,8 +17,8 @@ Autograd sums the members' gradients into the prefix rows through that gather.
 
 Which datums share what comes from prefix_sharing.py (:func:`~localtinker.engine.prefix_sharing.sharing_keys`):
 the positions whose token *and* target every member has in common run once, so a prefix stops one position
-before the tokens part (the prompt's last token, whose target is each sample's first token, is each member's
-first own token). Every packed row then has one target, and each datum's rows are its positions in order.
+before the members' tokens differ (the prompt's last token, whose target is each sample's first token, is each
+member's first own token). Every packed row then has one target, and each datum's rows are its positions in order.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ autograd, as they would be across separate rows. Same function, same gradients; 
 fewer tokens through the model. The logprobs of prompt
 positions, identical across the group, are computed once too.
 
-:func:`group_by_prefix` picks the groups: datums sorted by their tokens, so those with a common prefix
+:func:`group_by_prefix` picks the groups: datums sorted by their keys, so those with a common prefix
 are neighbours, then the partition of that order into runs that saves the most tokens, a run sharing the
 longest prefix common to all its members (at least :data:`MIN_SHARED_TOKENS`, and each member keeps at
 least one token of its own). It compares :func:`sharing_keys`, not bare tokens: a shared row's target must be
@@ -58,7 +58,7 @@ def token_rows(
     time (``shared_budget``, default ``budget``, for groups): datums that share a prompt
     (:func:`group_by_prefix`) run it once per group, the others as rows. ``share=False`` runs every datum
     as its own row."""
-    keys = sharing_keys(tokens, targets)
+    keys = sharing_keys(tokens, targets) if share else tokens
     groups = group_by_prefix(keys) if share else [PrefixGroup((i,), 0) for i in range(len(tokens))]
     batches, left = shared_microbatches([g for g in groups if g.shared], keys, shared_budget or budget)
     alone = sorted(left + [index for group in groups if not group.shared for index in group.members])
