@@ -1,8 +1,8 @@
 """static_decode.py, run eagerly on the CPU (the GPU replays the same step as CUDA graphs; test_cuda.py): the
 portable sampler over the static cache draws the same tokens, with the same logprobs (float32 ≤ 1e-5), as over
 transformers' dynamic cache — with requests joining mid-decode, rows finishing at different steps (slot
-compaction), the cache growing past its first column bucket, and one pooled decoder serving several adapters
-and the bare base model in turn."""
+compaction), the cache growing past its first column bucket, one pooled decoder serving several adapters
+and the bare base model in turn, and adapters of different factors decoding at once."""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ def engines(tmp_path_factory) -> dict[str, LocalEngine]:
     }
 
 
-def _trained(engine: LocalEngine, model_id: str, seed: int) -> str:
+def _trained(engine: LocalEngine, model_id: str, seed: int, lora: LoraSpec = LORA) -> str:
     """A model whose adapter is not the identity (random B), and an ephemeral sampler of it."""
-    engine.create_model(model_id, TINY, LORA)
+    engine.create_model(model_id, TINY, lora)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for key, param in engine._models[model_id].params.items():
@@ -120,6 +120,22 @@ def test_one_pooled_decoder_serves_adapters_and_the_base_model_in_turn(engines):
     assert len(_pool(engines["static"])) == 2
     # the adapters changed the samples: a decoder that kept stale factors would have been caught above
     assert results["static"][0].sequences[0].tokens != results["static"][4].sequences[0].tokens
+
+
+def test_adapters_decoding_at_once_keep_their_own_factors(engines):
+    """Batches of different adapters step in turn, each on its own decoder: adapters of different A factors (and
+    ranks) give each its own samples, as over the dynamic cache — a factor one decoder shares with another (the
+    base weights are shared) would give one of them the other's."""
+    specs = [SampleSpec(prompt_tokens=tuple(range(40 + k, 60 + k)), num_samples=2, max_tokens=12, seed=k,
+                        stop_token_ids=()) for k in range(2)]
+    results = {}
+    for name, engine in engines.items():
+        first = _trained(engine, f"{name}:train:own-a", seed=6, lora=LoraSpec(rank=4, seed=11))
+        second = _trained(engine, f"{name}:train:own-b", seed=7, lora=LoraSpec(rank=4, seed=12))
+        third = _trained(engine, f"{name}:train:own-c", seed=8, lora=LoraSpec(rank=8, seed=13))
+        results[name] = engine.sample_batch([(first, specs[0]), (second, specs[1]), (third, specs[0]),
+                                             (first, specs[1])])
+    _assert_same(results["static"], results["dynamic"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
