@@ -10,7 +10,9 @@ own tokens:
 
 Attention runs over *segments*: a query segment and the key rows it reads. A prefix attends to itself; a
 member's own tokens attend to their group's prefix rows and then to themselves (causal, aligned at the end:
-its first own token sees the whole prefix); a datum alone attends to itself. The flash varlen kernel takes
+its first own token sees the whole prefix); a datum alone attends to itself. Where every group of a micro-batch
+starts with the same tokens (a system prompt or few-shot examples in front of different problems), that *root*
+is laid once, first, and each group's prefix segment reads it before itself, as its members do. The flash varlen kernel takes
 query and key segments of different lengths (``cu_seq_q`` ≠ ``cu_seq_k``), with the keys and values gathered
 into segment order first — a copy of ``[tokens, kv heads, head dim]`` per layer, small beside a layer's products.
 Autograd sums the members' gradients into the prefix rows through that gather.
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from localtinker.engine.prefix_sharing import PrefixGroup, group_by_prefix, sharing_keys
+from localtinker.engine.prefix_sharing import PrefixGroup, common_root, group_by_prefix, sharing_keys
 
 
 @dataclass(frozen=True)
@@ -115,82 +117,104 @@ class _Builder:
         self.k_segments: list[list[tuple[int, int]]] = []
         self.used = 0
 
-    def _lay(self, ids: torch.Tensor, first_position: int, targets: torch.Tensor) -> tuple[int, int]:
-        start, length = self.used, int(ids.shape[0])
+    def _lay(self, index: int, start: int, end: int | None, reads: list[tuple[int, int]]) -> tuple[int, int]:
+        """Datum ``index``'s positions ``start:end`` as one query segment that reads ``reads`` and then itself."""
+        ids = self.tokens[index][start:end]
+        first, length = self.used, int(ids.shape[0])
         self.ids.append(ids)
-        self.positions.append(torch.arange(first_position, first_position + length))
-        self.row_targets.append(targets)
+        self.positions.append(torch.arange(start, start + length))
+        self.row_targets.append(self.targets[index][start:end])
+        self.q_lengths.append(length)
+        self.k_segments.append([*reads, (first, length)])
         self.used += length
-        return start, length
+        return first, length
 
     def alone(self, index: int) -> None:
-        start, length = self._lay(self.tokens[index], 0, self.targets[index])
-        self.q_lengths.append(length)
-        self.k_segments.append([(start, length)])
-        self.datum_rows[index] = torch.arange(start, start + length)
+        self.datum_rows[index] = _rows([self._lay(index, 0, None, [])])
 
-    def group(self, members: list[int], prefix: int) -> None:
-        """``members`` after their common ``prefix`` positions, laid once."""
-        first = members[0]
-        prefix_range = self._lay(self.tokens[first][:prefix], 0, self.targets[first][:prefix])
-        self.q_lengths.append(prefix)
-        self.k_segments.append([prefix_range])
-        prefix_rows = torch.arange(prefix_range[0], prefix_range[0] + prefix)
+    def root(self, index: int, length: int) -> tuple[int, int]:
+        """The first ``length`` positions of datum ``index``, which every group of the micro-batch starts with."""
+        return self._lay(index, 0, length, [])
+
+    def group(self, members: list[int], prefix: int, root: tuple[int, int] | None = None) -> None:
+        """``members`` after their common ``prefix`` positions, laid once (after the micro-batch's ``root``)."""
+        above = [] if root is None else [root]
+        start = 0 if root is None else root[1]
+        prefix_range = self._lay(members[0], start, prefix, above)
         for index in members:
-            own = self._lay(self.tokens[index][prefix:], prefix, self.targets[index][prefix:])
-            self.q_lengths.append(own[1])
-            self.k_segments.append([prefix_range, own])
-            self.datum_rows[index] = torch.cat([prefix_rows, torch.arange(own[0], own[0] + own[1])])
+            own = self._lay(index, prefix, None, [*above, prefix_range])
+            self.datum_rows[index] = _rows([*above, prefix_range, own])
 
     def batch(self) -> PackedBatch:
         return PackedBatch(torch.cat(self.ids), torch.cat(self.positions), torch.cat(self.row_targets),
                            self.datum_rows, self.q_lengths, self.k_segments)
 
 
+def _rows(ranges: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.cat([torch.arange(start, start + length) for start, length in ranges])
+
+
 def packed_batches(tokens: list[torch.Tensor], targets: list[torch.Tensor], budget: int,
                    share: bool) -> list[PackedBatch]:
-    """The datums in micro-batches of at most ``budget`` packed tokens (a datum longer than that runs alone),
-    each group that shares a prompt (``share``) laying its prefix once per micro-batch it reaches: a group too
-    big for one is cut where the budget ends, and the next part lays the prefix again."""
-    lengths = [int(t.shape[0]) for t in tokens]
-    groups = (group_by_prefix(sharing_keys(tokens, targets)) if share
-              else [PrefixGroup((i,), 0) for i in range(len(tokens))])
-    batches: list[PackedBatch] = []
-    builder = _Builder(tokens, targets)
+    """The datums in micro-batches of at most ``budget`` packed tokens (a datum longer than that runs alone).
+    With ``share``, each group that shares a prompt lays its prefix once per micro-batch it reaches (a group too
+    big for one is cut where the budget ends, and the next part lays the prefix again), and a root that all the
+    groups of a micro-batch start with (a system prompt in front of different problems) is laid once for them."""
+    if not share:
+        return [_lay_plan(plan, tokens, targets, None) for plan in _plan(
+            [PrefixGroup((i,), 0) for i in range(len(tokens))], [int(t.shape[0]) for t in tokens], budget)]
+    keys = sharing_keys(tokens, targets)
+    plans = _plan(group_by_prefix(keys), [int(t.shape[0]) for t in tokens], budget)
+    return [_lay_plan(plan, tokens, targets, keys) for plan in plans]
 
-    def flush() -> None:
-        nonlocal builder
-        if builder.used:
-            batches.append(builder.batch())
-        builder = _Builder(tokens, targets)
+
+def _plan(groups: list[PrefixGroup], lengths: list[int], budget: int) -> list[list[PrefixGroup]]:
+    """Micro-batches as lists of chunks: a group's members that run together (``shared`` > 0: they share it),
+    or one datum alone (``shared`` 0). Counted without roots, so a micro-batch with one is under its budget."""
+    plans: list[list[PrefixGroup]] = []
+    current: list[PrefixGroup] = []
+    used = 0
+
+    def close(chunk: list[int], shared: int) -> None:
+        if chunk:
+            current.append(PrefixGroup(tuple(chunk), shared if len(chunk) > 1 else 0))
 
     for group in groups:
         prefix = group.shared - 1  # the positions with a common target too (module docstring)
         if len(group.members) == 1 or prefix <= 0:
             for index in group.members:
-                if builder.used and builder.used + lengths[index] > budget:
-                    flush()
-                builder.alone(index)
+                if used and used + lengths[index] > budget:
+                    plans.append(current)
+                    current, used = [], 0
+                current.append(PrefixGroup((index,), 0))
+                used += lengths[index]
             continue
         chunk: list[int] = []
-        pending = 0  # the chunk's tokens, laid when it closes
         for index in sorted(group.members, key=lambda i: lengths[i]):
             cost = lengths[index] - prefix + (0 if chunk else prefix)
-            if builder.used + pending + cost > budget and (chunk or builder.used):
-                if chunk:
-                    _lay_chunk(builder, chunk, prefix)
-                flush()
-                chunk, pending, cost = [], 0, lengths[index]
+            if used + cost > budget and used:
+                close(chunk, group.shared)
+                plans.append(current)
+                current, used, chunk, cost = [], 0, [], lengths[index]
             chunk.append(index)
-            pending += cost
-        _lay_chunk(builder, chunk, prefix)
-    flush()
-    return batches
+            used += cost
+        close(chunk, group.shared)
+    if current:
+        plans.append(current)
+    return plans
 
 
-def _lay_chunk(builder: _Builder, chunk: list[int], prefix: int) -> None:
-    """A group's members of one micro-batch: one member alone runs as a plain datum (nothing to share)."""
-    if len(chunk) == 1:
-        builder.alone(chunk[0])
-    else:
-        builder.group(chunk, prefix)
+def _lay_plan(plan: list[PrefixGroup], tokens: list[torch.Tensor], targets: list[torch.Tensor],
+              keys: list[torch.Tensor] | None) -> PackedBatch:
+    builder = _Builder(tokens, targets)
+    sharing = [chunk for chunk in plan if chunk.shared]
+    # the root: positions whose token and target every group's members have in common, one before common_root's
+    # end as a group's prefix stops one before its members' (the module docstring); 0 when too short to pay
+    root_length = max(common_root(sharing, keys) - 1, 0) if keys is not None else 0
+    root = builder.root(sharing[0].members[0], root_length) if root_length else None
+    for chunk in plan:
+        if chunk.shared:
+            builder.group(list(chunk.members), chunk.shared - 1, root)
+        else:
+            builder.alone(chunk.members[0])
+    return builder.batch()

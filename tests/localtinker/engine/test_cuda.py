@@ -218,9 +218,10 @@ def test_shared_prompts_through_flash_varlen_equal_whole_rows():
     keys' end; a kernel aligned at the start would let them see only the prompt's first rows)."""
     from tests.localtinker.engine.test_packed_layout import segment_attention_by_datum
 
-    shared, whole = segment_attention_by_datum(torch.device("cuda"), torch.bfloat16)
-    for index, expected in whole.items():
-        torch.testing.assert_close(shared[index], expected, atol=2e-2, rtol=0)
+    for system in (0, 24):  # groups alone; groups behind a system prompt laid once (three key ranges)
+        shared, whole = segment_attention_by_datum(torch.device("cuda"), torch.bfloat16, system)
+        for index, expected in whole.items():
+            torch.testing.assert_close(shared[index], expected, atol=2e-2, rtol=0)
 
 
 def test_grpo_batches_share_prompts_on_the_gpu(cuda_bf16, monkeypatch):

@@ -25,13 +25,14 @@ CPU = torch.device("cpu")
 
 
 def _grouped(seed: int = 0, prompts: tuple[int, ...] = (20, 33), samples: int = 3,
-             loners: tuple[int, ...] = (9, 26)) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Inputs and shifted targets of GRPO-like datums: each prompt with ``samples`` completions of their own
-    lengths, plus datums sharing nothing."""
+             loners: tuple[int, ...] = (9, 26), system: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Inputs and shifted targets of GRPO-like datums: each prompt (after a common system prompt of ``system``
+    tokens) with ``samples`` completions of their own lengths, plus datums sharing nothing."""
     rng = np.random.default_rng(seed)
+    system_tokens = rng.integers(0, 49152, size=system)
     sequences = []
     for length in prompts:
-        prompt = rng.integers(0, 49152, size=length)
+        prompt = np.concatenate([system_tokens, rng.integers(0, 49152, size=length)])
         sequences += [np.concatenate([prompt, rng.integers(0, 49152, size=int(rng.integers(2, 12)))])
                       for _ in range(samples)]
     sequences += [rng.integers(0, 49152, size=n) for n in loners]
@@ -84,6 +85,18 @@ def test_a_group_bigger_than_the_budget_lays_its_prompt_again_in_each_part(budge
     assert len(batches) > 1
 
 
+def test_a_system_prompt_in_front_of_every_group_is_laid_once_per_micro_batch():
+    tokens, targets = _grouped(seed=6, prompts=(20, 33, 25), system=24)
+    [shared] = packed_batches(tokens, targets, budget=10**6, share=True)
+    [whole] = packed_batches(tokens, targets, budget=10**6, share=False)
+    _assert_every_datum_laid_once([shared], tokens, targets)
+    # per group, its prompt (system included) but its last position, 3 − 1 times fewer; the system prompt but its
+    # last position, 3 − 1 times fewer again
+    assert whole.tokens - shared.tokens == 2 * (24 + 19) + 2 * (24 + 32) + 2 * (24 + 24) + 2 * 23
+    layout = shared.layout(CPU)
+    assert layout.q_lengths[0] == 23  # the root first, then each group's own prefix after it
+
+
 def test_datums_with_one_prompt_but_targets_of_their_own_share_only_where_the_targets_agree():
     rng = np.random.default_rng(2)
     prompt = torch.as_tensor(rng.integers(0, 49152, size=30))
@@ -93,10 +106,11 @@ def test_datums_with_one_prompt_but_targets_of_their_own_share_only_where_the_ta
     assert batch.tokens == 20 + 3 * 10  # 20 positions agree on their targets: laid once
 
 
-def segment_attention_by_datum(device: torch.device, dtype: torch.dtype) -> tuple[dict, dict]:
+def segment_attention_by_datum(device: torch.device, dtype: torch.dtype, system: int = 0) -> tuple[dict, dict]:
     """Each datum's attention output rows under the shared layout and under whole rows, for random q/k/v whose
-    row depends on the datum's tokens up to it (so prompt rows are the same in every member; grouped-query heads)."""
-    tokens, targets = _grouped(seed=3)
+    row depends on the datum's tokens up to it (so prompt rows are the same in every member; grouped-query heads);
+    ``system``: a system prompt in front of every prompt (laid once as the micro-batch's root)."""
+    tokens, targets = _grouped(seed=3, system=system)
     [shared] = packed_batches(tokens, targets, budget=10**6, share=True)
     [whole] = packed_batches(tokens, targets, budget=10**6, share=False)
     generator = torch.Generator().manual_seed(0)
@@ -121,20 +135,21 @@ def segment_attention_by_datum(device: torch.device, dtype: torch.dtype) -> tupl
     return outputs[0], outputs[1]
 
 
-def test_segment_attention_equals_attending_each_datum_whole():
+@pytest.mark.parametrize("system", [0, 24], ids=["prompts", "system-prompt"])
+def test_segment_attention_equals_attending_each_datum_whole(system):
     """The shared layout's attention gives each datum's rows what causal attention over the datum alone gives."""
-    shared, whole = segment_attention_by_datum(CPU, torch.float32)
+    shared, whole = segment_attention_by_datum(CPU, torch.float32, system)
     for index, expected in whole.items():
         torch.testing.assert_close(shared[index], expected, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_the_written_out_layers_give_each_datum_its_whole_hidden_states_and_gradients(tmp_path, family):
+@pytest.mark.parametrize("family,system", [("llama", 0), ("qwen3", 0), ("llama", 24)])
+def test_the_written_out_layers_give_each_datum_its_whole_hidden_states_and_gradients(tmp_path, family, system):
     engine, model_id = _engine(tmp_path, family)
     model = engine._models[model_id]
     host = engine._hosts[model.base_name]
     layers = PackedLayers(host.base.model, compiled=False)
-    tokens, targets = _grouped(seed=4)
+    tokens, targets = _grouped(seed=4, system=system)
     weights = torch.linspace(-1, 1, host.base.model.config.hidden_size)
     results = {}
     for share in (True, False):
@@ -212,3 +227,26 @@ def test_the_layout_of_plain_rows_reads_the_packed_keys_themselves():
     layout = PackedLayout.rows([3, 4], CPU)
     assert not layout.shared and layout.cu_q.tolist() == layout.cu_k.tolist() == [0, 3, 7]
     assert (layout.max_q, layout.max_k) == (4, 4)
+
+
+def test_the_portable_trainer_runs_a_system_prompt_once(cuda_path, monkeypatch):
+    """Three prompts behind one 20-token system prompt, 4 samples each: the same logprobs as without the root,
+    with (3 − 1) × 19 tokens fewer through the model."""
+    from localtinker.engine import packed_layout
+
+    model_id = "layout:root"
+    cuda_path.create_model(model_id, TINY, LoraSpec(rank=4, seed=5))
+    reference = ReferenceModel(cuda_path.lora_spec(model_id), cuda_path.lora_weights(model_id))
+    data = grouped_rl_data(reference, seed=8, system=20)
+    runs = []
+    for root in (True, False):
+        if not root:
+            monkeypatch.setattr(packed_layout, "common_root", lambda groups, keys: 0)
+        result = []
+        tokens = embedded_tokens(cuda_path, lambda: result.append(
+            cuda_path.forward_backward(model_id, data, "importance_sampling", None, True)))
+        runs.append(([o["logprobs"] for o in result[0].loss_fn_outputs], tokens))
+    (with_root, root_tokens), (without, plain_tokens) = runs
+    assert plain_tokens - root_tokens == 2 * 19
+    for a, b in zip(with_root, without):
+        np.testing.assert_allclose(a, b, atol=1e-5)
