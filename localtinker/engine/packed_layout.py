@@ -10,12 +10,13 @@ own tokens:
 
 Attention runs over *segments*: a query segment and the key rows it reads. A prefix attends to itself; a
 member's own tokens attend to their group's prefix rows and then to themselves (causal, aligned at the end:
-its first own token sees the whole prefix); a datum alone attends to itself. Where every group of a micro-batch
-starts with the same tokens (a system prompt or few-shot examples in front of different problems), that *root*
-is laid once, first, and each group's prefix segment reads it before itself, as its members do. The flash varlen kernel takes
-query and key segments of different lengths (``cu_seq_q`` ≠ ``cu_seq_k``), with the keys and values gathered
-into segment order first — a copy of ``[tokens, kv heads, head dim]`` per layer, small beside a layer's products.
-Autograd sums the members' gradients into the prefix rows through that gather.
+its first own token sees the whole prefix); a datum alone attends to itself. Where every group of a
+micro-batch starts with the same tokens (a system prompt or few-shot examples in front of different problems),
+that *root* is laid once, first, and each group's prefix segment reads it before itself, as its members do.
+
+The flash varlen kernel takes query and key segments of different lengths (``cu_seq_q`` ≠ ``cu_seq_k``), with
+the keys and values gathered into segment order first — a copy of ``[tokens, kv heads, head dim]`` per layer,
+small beside a layer's products. Autograd sums the members' gradients into the prefix rows through that gather.
 
 Which datums share what comes from prefix_sharing.py (:func:`~localtinker.engine.prefix_sharing.sharing_keys`):
 the positions whose token *and* target every member has in common run once, so a prefix stops one position
@@ -96,7 +97,8 @@ class PackedBatch:
         if all(len(ranges) == 1 for ranges in self.k_segments):
             return PackedLayout.rows(self.q_lengths, device)
         k_lengths = [sum(length for _, length in ranges) for ranges in self.k_segments]
-        rows = np.concatenate([np.arange(start, start + length) for ranges in self.k_segments for start, length in ranges])
+        rows = np.concatenate([np.arange(start, start + length)
+                               for ranges in self.k_segments for start, length in ranges])
         cu_q = torch.tensor([0, *np.cumsum(self.q_lengths).tolist()], dtype=torch.int32)
         cu_k = torch.tensor([0, *np.cumsum(k_lengths).tolist()], dtype=torch.int32)
         return PackedLayout(cu_q.to(device, non_blocking=True), cu_k.to(device, non_blocking=True),

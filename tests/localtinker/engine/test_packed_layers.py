@@ -111,7 +111,8 @@ def test_an_adapter_this_path_cannot_compute_runs_transformers_layers(tmp_path):
     tokens = _tokens()
     with engine._hosts[model.base_name].adapters.activated(model.adapter):
         positions = torch.cat([torch.arange(n) for n in LENGTHS])
-        assert layers.hidden(torch.cat(tokens), positions, PackedLayout.rows(list(LENGTHS), torch.device("cpu"))) is None
+        layout = PackedLayout.rows(list(LENGTHS), torch.device("cpu"))
+        assert layers.hidden(torch.cat(tokens), positions, layout) is None
     ours, _ = _hidden_and_grads(engine, model_id, layers)
     theirs, _ = _hidden_and_grads(engine, model_id, None)
     torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
