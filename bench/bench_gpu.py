@@ -10,7 +10,9 @@ Work measured (median of a few runs after a warm-up; each side on the same weigh
 - SFT step 8 × 512 (1B, 0.6B); 32 chat-like rows of 24–467 tokens (1B; the baseline pads per micro-batch of 8);
 - sampling 64 prompts × 128 new tokens (the baseline's ``generate`` runs fewer new tokens, its rate is per
   token), with our share of the memory-bandwidth limit = weight bytes × decode steps / time / the card's bandwidth;
-- one GRPO-shaped step, 16 prompts × 8 samples of 64 tokens + importance-sampling training step (1B);
+- one GRPO-shaped step, 16 prompts × 8 samples of 64 tokens + importance-sampling training step (1B), and its
+  forward_backward again with each sample's prompt run whole (shared prompts off, packed_layout.py);
+- the 1B SFT step and chat rows again with the training pieces as CUDA graphs (opt-in ``LOCALTINKER_TRAIN_GRAPHS``);
 - Llama-3.1-8B: SFT step 8 × 2048 (baseline with gradient checkpointing, as it needs to fit), MFU =
   6·N·tokens / time / the card's dense bf16 peak, peak memory; sampling 64 × 128, and 64 × 512 with its peak memory.
 Prints each figure as it goes and a summary with ratios against the goals; ``--json PATH`` writes them.
