@@ -162,12 +162,9 @@ def packed_batches(tokens: list[torch.Tensor], targets: list[torch.Tensor], budg
     With ``share``, each group that shares a prompt lays its prefix once per micro-batch it reaches (a group too
     big for one is cut where the budget ends, and the next part lays the prefix again), and a root that all the
     groups of a micro-batch start with (a system prompt in front of different problems) is laid once for them."""
-    if not share:
-        return [_lay_plan(plan, tokens, targets, None) for plan in _plan(
-            [PrefixGroup((i,), 0) for i in range(len(tokens))], [int(t.shape[0]) for t in tokens], budget)]
-    keys = sharing_keys(tokens, targets)
-    plans = _plan(group_by_prefix(keys), [int(t.shape[0]) for t in tokens], budget)
-    return [_lay_plan(plan, tokens, targets, keys) for plan in plans]
+    keys = sharing_keys(tokens, targets) if share else None
+    groups = group_by_prefix(keys) if keys is not None else [PrefixGroup((i,), 0) for i in range(len(tokens))]
+    return [_lay_plan(plan, tokens, targets, keys) for plan in _plan(groups, [int(t.shape[0]) for t in tokens], budget)]
 
 
 def _plan(groups: list[PrefixGroup], lengths: list[int], budget: int) -> list[list[PrefixGroup]]:

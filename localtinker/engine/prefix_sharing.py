@@ -19,7 +19,7 @@ every member's target too.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,7 +65,7 @@ def token_rows(
     for positions in _plain_microbatches([tokens[i].shape[0] for i in alone], budget):
         yield plain_rows(decoder, [alone[k] for k in positions], tokens, targets)
     for batch in batches:
-        yield shared_rows(decoder, batch, tokens, targets)
+        yield shared_rows(decoder, batch, tokens, targets, keys)
 
 
 def _plain_microbatches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -231,15 +231,14 @@ def _chunk_members(group: PrefixGroup, lengths: list[int], budget: int) -> list[
 
 
 def shared_rows(
-    decoder: torch.nn.Module, groups: list[PrefixGroup], tokens: list[torch.Tensor], targets: list[torch.Tensor]
+    decoder: torch.nn.Module, groups: list[PrefixGroup], tokens: list[torch.Tensor], targets: list[torch.Tensor],
+    keys: list[torch.Tensor],
 ) -> TokenRows:
     """Runs each group's prefix once (left-padded to the longest, masked), then every member's own tokens
-    (right-padded) attending to its group's prefix keys and values; ``tokens``/``targets`` are indexed by
-    the members' datum indices. A root that every group's prefix starts with (a system prompt or few-shot
-    examples in front of different problems, :func:`common_root`) runs once for the whole micro-batch, and
-    the group prefixes attend to it in turn."""
-    members = [index for group in groups for index in group.members]
-    keys = dict(zip(members, sharing_keys([tokens[i] for i in members], [targets[i] for i in members])))
+    (right-padded) attending to its group's prefix keys and values; ``tokens``/``targets``/``keys`` (the
+    datums' :func:`sharing_keys`) are indexed by the members' datum indices. A root that every group's prefix
+    starts with (a system prompt or few-shot examples in front of different problems, :func:`common_root`) runs
+    once for the whole micro-batch, and the group prefixes attend to it in turn."""
     root = common_root(groups, keys)
     root_ids = tokens[groups[0].members[0]][:root]
     width = max(group.shared for group in groups) - root  # group prefixes after the root
@@ -317,7 +316,7 @@ def shared_rows(
     return TokenRows(torch.cat(pieces), torch.cat(row_targets), datum_rows)
 
 
-def common_root(groups: list[PrefixGroup], tokens: Sequence[torch.Tensor] | Mapping[int, torch.Tensor]) -> int:
+def common_root(groups: list[PrefixGroup], tokens: Sequence[torch.Tensor]) -> int:
     """Positions every group's prefix starts with, leaving each group at least one prefix token of its own;
     0 for a single group or fewer than :data:`MIN_SHARED_TOKENS`. ``tokens``: by datum index, the datums'
     :func:`sharing_keys` (or tokens, where the targets are known to be the shifted tokens)."""

@@ -17,9 +17,10 @@ from localtinker.engine.packed_layout import PackedBatch, PackedLayout, packed_b
 from localtinker.engine.packed_rows import packed_rows
 from localtinker.engine.portable_attention import packed_causal_attention
 from tests.localtinker.engine.reference import TINY, ReferenceModel
-from tests.localtinker.engine.test_losses import assert_grad_close, reference_loss
 from tests.localtinker.engine.test_packed_layers import _engine
-from tests.localtinker.engine.test_prefix_sharing import embedded_tokens, grouped_rl_data
+from tests.localtinker.engine.test_prefix_sharing import (
+    assert_shared_run_is_the_reference, embedded_tokens, grouped_rl_data,
+)
 
 CPU = torch.device("cpu")
 
@@ -207,20 +208,7 @@ def test_the_portable_trainer_shares_prompts_with_the_reference_results(cuda_pat
             cuda_path.forward_backward(model_id, data, name, None, False)))
         runs[share] = result[0], cuda_path.lora_grads(model_id), tokens
         cuda_path.optim_step(model_id, AdamSpec(learning_rate=0.0))
-    (whole, whole_grads, whole_tokens), (shared, shared_grads, shared_tokens) = runs[False], runs[True]
-    assert shared_tokens < 0.75 * whole_tokens
-    total = torch.zeros(())
-    for datum, output, whole_output in zip(data, shared.loss_fn_outputs, whole.loss_fn_outputs):
-        lp = reference.logprobs(datum.tokens, datum.loss_fn_inputs["target_tokens"])
-        np.testing.assert_allclose(output["logprobs"], lp.detach().numpy(), atol=1e-5)
-        np.testing.assert_allclose(output["logprobs"], whole_output["logprobs"], atol=1e-5)
-        np.testing.assert_allclose(output["elementwise_loss"], whole_output["elementwise_loss"], atol=1e-4)
-        total = total + reference_loss(name, lp, datum.loss_fn_inputs, {})
-    total.backward()
-    assert shared.metrics["loss:sum"] == pytest.approx(total.item(), rel=1e-5, abs=1e-4)
-    for key, grad in reference.grads().items():
-        assert_grad_close(shared_grads[key], grad, key)
-        assert_grad_close(shared_grads[key], whole_grads[key], key)
+    assert_shared_run_is_the_reference(name, reference, data, runs)
 
 
 def test_the_layout_of_plain_rows_reads_the_packed_keys_themselves():

@@ -216,10 +216,16 @@ def test_shared_prompts_give_the_reference_results_with_fewer_tokens(
         )
         runs[share] = (result[0], engine.lora_grads(trained), tokens)
         engine.optim_step(trained, AdamSpec(learning_rate=0.0))
+    assert bool(attended) == bool(own_bound)  # which attention the members took
+    assert_shared_run_is_the_reference(name, reference, data, runs)
+
+
+def assert_shared_run_is_the_reference(name: str, reference: ReferenceModel, data: list[DatumArrays],
+                                       runs: dict[bool, tuple]) -> None:
+    """``runs[share]`` = (forward_backward result, LoRA gradients, tokens embedded) without and with sharing:
+    sharing embeds under 3/4 of the tokens, and both give the reference model's logprobs, losses and gradients."""
     (whole, whole_grads, whole_tokens), (shared, shared_grads, shared_tokens) = runs[False], runs[True]
     assert shared_tokens < 0.75 * whole_tokens
-    assert bool(attended) == bool(own_bound)  # which attention the members took
-
     total = torch.zeros(())
     for datum, output, whole_output in zip(data, shared.loss_fn_outputs, whole.loss_fn_outputs):
         lp = reference.logprobs(datum.tokens, datum.loss_fn_inputs["target_tokens"])
