@@ -23,6 +23,7 @@ from localtinker.engine.api import EngineUserError, SampleSpec
 from localtinker.engine.fast_exp import exp_
 
 _SEED_STRIDE = 1_000_003
+_UNIFORM_BLOCK = 256  # most uniforms drawn ahead per row (SampleRow.next_uniform)
 
 
 def validate_sample_spec(spec: SampleSpec, vocab_size: int, max_context: int) -> None:
@@ -72,6 +73,16 @@ class SampleRow:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str | None = None
+    _uniforms: list[float] = field(default_factory=list, repr=False)
+
+    def next_uniform(self) -> float:
+        """The row's next draw from its generator. Drawn a block at a time: ``torch.rand(n)`` yields what ``n``
+        scalar draws would, for a fraction of the host time (one scalar draw per row per decode step was
+        ~0.3 ms per step at 64 rows, in the way of a GPU step of ~2 ms)."""
+        if not self._uniforms:
+            block = min(max(self.max_tokens - len(self.tokens), 1), _UNIFORM_BLOCK)
+            self._uniforms = torch.rand(block, generator=self.generator).tolist()[::-1]
+        return self._uniforms.pop()
 
 
 def rows_for(request: Any, spec: SampleSpec, eos_token_ids: tuple[int, ...]) -> list[SampleRow]:
@@ -130,7 +141,7 @@ def choose_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Te
     shifted = logits.sub_(logits.amax(dim=-1, keepdim=True))  # <= 0, the largest exactly 0
     greedy = [i for i, row in enumerate(rows) if row.temperature == 0]
     greedy_tokens = shifted[greedy].argmax(dim=-1) if greedy else None
-    uniforms = torch.stack([torch.rand((), generator=row.generator) for row in rows])
+    uniforms = torch.tensor([row.next_uniform() for row in rows])
     if _filters(rows, logits.shape[-1]):
         log_totals = torch.logsumexp(shifted, dim=-1, keepdim=True)
         tokens = _inverse_cdf(exp_(_filter_top_k_top_p(shifted - log_totals, rows)), uniforms)

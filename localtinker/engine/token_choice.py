@@ -31,7 +31,7 @@ def choose_tokens_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> tupl
 
 def next_uniforms(rows: list[SampleRow]) -> list[float]:
     """Each row's next draw from its own generator: one per row per step, whichever path decodes."""
-    return [float(torch.rand((), generator=row.generator)) for row in rows]
+    return [row.next_uniform() for row in rows]
 
 
 def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

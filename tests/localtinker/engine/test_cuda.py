@@ -212,6 +212,21 @@ def test_a_checkpoint_round_trip_on_the_gpu_keeps_the_optimizer_state_there(tmp_
         engine.optim_step(model_id, AdamSpec(learning_rate=1e-3))
 
 
+def test_the_log_softmax_compiled_on_the_gpu_equals_the_plain_formula():
+    """chunked_logprobs.py compiles its two functions on CUDA with Triton (one pass each over bf16 logits, no
+    float32 [tokens × vocab] tensor): bf16 logprobs and gradients over SmolLM2's vocabulary equal autograd
+    through the float32 formula on the same logits, with and without a soft cap and a temperature. One chunk:
+    the same product on both sides, so the logits are the same (chunking is checked on the CPU)."""
+    from localtinker.engine import chunked_logprobs
+    from tests.localtinker.engine.test_chunked_logprobs import compare_with_plain
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    for softcap, temperature in ((None, 1.0), (30.0, 0.8)):
+        compare_with_plain(softcap, temperature, chunks=(4096,), dtype=torch.bfloat16, device=device, vocab=49152,
+                           atol=1e-4, grad_tolerance=2e-2)
+    assert chunked_logprobs._compile_on[device] == (importlib.util.find_spec("triton") is not None)
+
+
 def test_shared_prompts_through_flash_varlen_equal_whole_rows():
     """The flash varlen kernel with query segments shorter than their keys (packed_layout.py): a member's own
     tokens see their whole prompt and their own past, as attending each datum whole does (causal aligned at the

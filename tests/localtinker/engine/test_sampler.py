@@ -188,6 +188,19 @@ def _row(**kwargs) -> SampleRow:
     return SampleRow(generator=torch.Generator(), **params)
 
 
+@pytest.mark.parametrize("max_tokens", [1, 3, 300, 600])
+def test_a_rows_uniforms_are_its_generators_scalar_draws_in_order(max_tokens):
+    """Uniforms are drawn ahead a block at a time (at most the row's budget, at most 256): the row still gets
+    exactly the scalar draws its seed gives, in order, across refills and past its budget (the queued GPU step
+    draws one more for a row that has just finished)."""
+    row = _row(max_tokens=max_tokens)
+    row.generator.manual_seed(42)
+    reference = torch.Generator().manual_seed(42)
+    for step in range(max_tokens + 5):
+        assert row.next_uniform() == torch.rand((), generator=reference).item(), step
+        row.tokens.append(0)
+
+
 def test_top_k_and_top_p_restrict_the_candidates_but_not_the_reported_logprob():
     logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
     rows = [_row(top_k=2) for _ in range(200)] + [_row(top_p=0.65) for _ in range(200)] + [_row() for _ in range(400)]

@@ -203,7 +203,7 @@ def test_the_queued_step_chooses_as_the_host_does():
     expected_tokens, expected_logprobs = choose_tokens_on_device(decoder.step(3, 0).clone(), rows)
     rows = [SampleRow(request=None, temperature=t, top_k=0, top_p=1.0, max_tokens=4, stop_ids=(), stop_strings=(),
                       generator=torch.Generator().manual_seed(i)) for i, t in enumerate(temperatures)]
-    uniforms = [float(torch.rand((), generator=row.generator)) for row in rows]
+    uniforms = [row.next_uniform() for row in rows]
     decoder.controls[:, :4] = torch.tensor([[*uniforms, 0.0], [1.0, 0.6, 1.0, 1.0], [0, 0, 1, 0], [1, 1, 1, 0]])
     decoder.step_and_choose(3, 0)
     assert decoder.tokens[:3].tolist() == expected_tokens.tolist()
