@@ -13,6 +13,8 @@ Work measured (median of a few runs after a warm-up; each side on the same weigh
 - one GRPO-shaped step, 16 prompts × 8 samples of 64 tokens + importance-sampling training step (1B), and its
   forward_backward again with each sample's prompt run whole (shared prompts off, packed_layout.py);
 - the 1B SFT step and chat rows again with the training pieces as CUDA graphs (opt-in ``LOCALTINKER_TRAIN_GRAPHS``);
+- the 1B sampling again with the adapter's A factors as products of their own (``LOCALTINKER_DECODE_JOINED=0``;
+  by default a small model's decoder joins them to copies of the base weights);
 - Llama-3.1-8B: SFT step 8 × 2048 (baseline with gradient checkpointing, as it needs to fit), MFU =
   6·N·tokens / time / the card's dense bf16 peak, peak memory; sampling 64 × 128, and 64 × 512 with its peak memory.
 Prints each figure as it goes and a summary with ratios against the goals; ``--json PATH`` writes them.
@@ -309,6 +311,35 @@ def compare_training_graphs(key: str, engine, name: str, sft_step: Callable[[], 
         layers.set_graphs(False)
 
 
+def compare_decode_joined(key: str, engine, name: str, sample: Callable[[], object], tokens: int,
+                          results: dict[str, float]) -> None:
+    """Sampling again with the adapter's A factors as products of their own (``LOCALTINKER_DECODE_JOINED=0``),
+    in this process: the decoders of the run above joined them to copies of the base weights (static_decode.py,
+    a GPU's default for a small model) — this times the other side on fresh decoders (compiled and captured
+    in the warm-up)."""
+    from localtinker.engine.static_decode import JOINED_ENV, pooled_decoders
+
+    pool = pooled_decoders(engine._hosts[name].base.model)
+    if not any(decoder.joined for decoder in pool):
+        return
+    before = os.environ.get(JOINED_ENV)
+    os.environ[JOINED_ENV] = "0"
+    pool.clear()
+    try:
+        seconds = timed(sample, 1)
+        say(f"{key}.ours_separate_a.sample_tok_s", tokens / seconds, " tok/s")
+        if f"{key}.hf.sample_tok_s" in results:
+            say(f"{key}.sample_ratio_separate_a", tokens / seconds / results[f"{key}.hf.sample_tok_s"], "x")
+    except Exception as error:  # noqa: BLE001 - a comparison: say what failed, go on
+        print(f"  {key}: sampling with separate A products failed: {type(error).__name__}: {error}", flush=True)
+    finally:
+        if before is None:
+            os.environ.pop(JOINED_ENV, None)
+        else:
+            os.environ[JOINED_ENV] = before
+        pool.clear()
+
+
 def float32_logprobs(shape: dict, lora: dict[str, torch.Tensor], data) -> np.ndarray:
     """The same random weights (build_model's seed) and adapter in float32 through transformers' layers: the
     exact values both bf16 paths approximate."""
@@ -462,6 +493,7 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
     for error in {d.graph_error for d in decoders if d.graph_error}:
         print(f"  {key}: decode graphs off: {error}", flush=True)
     say(f"{key}.ours.decode_compiled", float(any(d.compiled for d in decoders)))
+    say(f"{key}.ours.decode_joined", float(any(d.joined for d in decoders)))
     for error in {d.compile_error for d in decoders if d.compile_error}:
         print(f"  {key}: decode step not compiled: {error}", flush=True)
     if big:  # the issue's memory check: 64 × 512 sampled on the same card that trained 8 × 2048
@@ -499,6 +531,10 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
         chat_run = None if big else (lambda: our_step(engine, model_id, chat_data))
         compare_training_graphs(key, engine, name, lambda: our_step(engine, model_id, sft_data), chat_run, repeats,
                                 results, profile)
+    if key == "1b":
+        engine.create_ephemeral_sampler(f"sampler-{key}-late", model_id)  # (the first one was superseded since)
+        compare_decode_joined(key, engine, name, lambda: our_sample(engine, f"sampler-{key}-late", prompts, new),
+                              count * new, results)
     if profile and key == "1b":
         profile_ours(lambda: our_step(engine, model_id, sft_data), "SFT step 8 x 512")
         profile_ours(lambda: our_sample(engine, f"sampler-{key}", prompts, 16), "sampling 64 x 16")
@@ -548,9 +584,10 @@ def main() -> int:
     results["card"] = card
     from localtinker.engine.packed_layers import LAYERS_ENV
 
-    # the written-out training layers (packed_layers.py) unless LOCALTINKER_TRAIN_LAYERS=0, in --smoke too
+    # the written-out training layers (packed_layers.py) unless LOCALTINKER_TRAIN_LAYERS=0, and the static decoder
+    # (static_decode.py), in --smoke too
     engine = LocalEngine(Path(tempfile.mkdtemp(prefix="bench-gpu-")), dtype="bfloat16", device=DEVICE, portable=True,
-                         train_layers=os.environ.get(LAYERS_ENV) != "0")
+                         train_layers=os.environ.get(LAYERS_ENV) != "0", static_decode=True)
     for key in args.models.split(","):
         try:
             bench_model(key, engine, flops_peak, bandwidth, args.profile, args.precision)

@@ -8,7 +8,9 @@ of them into one. The cache writes and the two attention products stay outside t
 compiled code mutates its inputs, and the pieces need no more than what any torch with Triton compiles.
 
 A projection is ``(weight, bias, A, (s·B)ᵀ)``: the frozen base layer and, for an adapted layer, the adapter's
-factors (None for none) in the compute dtype, as lora.py's fused forward computes them.
+factors (None for none) in the compute dtype, as lora.py's fused forward computes them. A *joined* projection
+is ``(weight, bias, None, (s·B)ᵀ)`` whose weight's last rows are A (static_decode.py's joined weights): one
+product gives the base output and ``x Aᵀ`` side by side.
 """
 
 from __future__ import annotations
@@ -66,6 +68,14 @@ def project(x: torch.Tensor, projection: Projection, residual: torch.Tensor | No
     an H200 profile), while a sum fuses into the kernel that reads the result next (the norm, SiLU × up, the
     rotation)."""
     weight, bias, a, b_t = projection
+    if a is None and b_t is not None:  # joined: x Aᵀ comes out of the base product, in its last columns
+        joined = F.linear(x, weight, bias)
+        out, low_rank = joined.split([b_t.shape[1], b_t.shape[0]], dim=-1)
+        if torch.compiler.is_compiling():
+            out = out + low_rank @ b_t
+            return out if residual is None else out + residual
+        out = torch.addmm(out, low_rank, b_t)
+        return out if residual is None else out.add_(residual)
     if torch.compiler.is_compiling():
         out = F.linear(x, weight, bias)
         if a is not None:

@@ -27,6 +27,7 @@ code runs eagerly on a CPU, where the tests check it against transformers' forwa
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from typing import Any
@@ -42,6 +43,8 @@ MIN_COLUMNS = 128  # a graph is captured per power-of-two bucket of rows and of 
 _POOL = "_localtinker_static_decoders"  # on the base model: decoders whose batch has drained, graphs kept
 _KEPT_DECODERS = 2
 _KEPT_CACHE_SHARE = 1 / 8  # of the device's memory: the pooled decoders' caches together, at most
+JOINED_ENV = "LOCALTINKER_DECODE_JOINED"  # "1"/"0": joined weights always/never (default: see joined_by_default)
+_JOINED_SHARE = 1 / 16  # of the device's memory: one decoder's joined weights, at most
 logger = logging.getLogger("localtinker.engine")
 # Rows of StaticDecoder.controls, per slot: the row's next uniform draw, its temperature (1 for greedy and free
 # slots), 1 for greedy, 1 for a live row (a free slot in the bucket's width must not move its position on).
@@ -91,8 +94,9 @@ class _Projection:
     """One linear of the step: its frozen base layer and, for an adapted layer, the adapter's factors
     rounded to the compute dtype in buffers of fixed address."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, joined: bool = False) -> None:
         self.module, self.base = module, frozen_layer(module)
+        self.joined = _Joined() if joined else None
         self.a: torch.Tensor | None = None
         self.b_t: torch.Tensor | None = None
 
@@ -108,14 +112,40 @@ class _Projection:
         a, b_t = factors
         fresh = self.a is None or self.a.shape != a.shape or self.a.dtype != compute
         if fresh:
-            self.a = torch.empty(a.shape, dtype=compute, device=a.device)
+            self.a = _a_buffer(self.joined, self.base.weight, self.base.bias, a.shape, compute)
             self.b_t = torch.empty(b_t.shape, dtype=compute, device=a.device)
         self.a.copy_(a)
         self.b_t.copy_(b_t)
         return fresh
 
     def parts(self) -> Projection:
+        if self.joined is not None and self.joined.weight is not None:
+            return self.joined.weight, self.joined.bias, None, self.b_t
         return self.base.weight, self.base.bias, self.a, self.b_t
+
+
+class _Joined:
+    """A decoder's own copy of a group's base weight with the adapter's A rows after it (``[W; A]``, and the
+    bias with zeros for those rows), so ``x Aᵀ`` comes out of the base product: a decode step of a small
+    model is bound by its number of kernels, and this saves one product per group and layer (64 per step of a
+    16-layer model, ~20 µs of ~150 per layer in an H200 profile; docs/localtinker-gpu.md). Each decoder has
+    its own copy because decoders of different adapters step at once over the same base model."""
+
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+
+def _a_buffer(joined: _Joined | None, weight: torch.Tensor, bias: torch.Tensor | None, shape: torch.Size | tuple,
+              compute: torch.dtype) -> torch.Tensor:
+    """A buffer for the stacked A factors (``shape``): rows of ``joined``'s fresh ``[W; A]`` where the group
+    joins them (the base rows copied in once), else a tensor of its own."""
+    if joined is None:
+        return torch.empty(shape, dtype=compute, device=weight.device)
+    rows = weight.shape[0]
+    joined.weight = torch.empty((rows + shape[0], weight.shape[1]), dtype=compute, device=weight.device)
+    joined.weight[:rows] = weight
+    joined.bias = None if bias is None else torch.cat([bias.to(compute), bias.new_zeros(shape[0], dtype=compute)])
+    return joined.weight[rows:]
 
 
 class _SharedInput:
@@ -129,11 +159,12 @@ class _SharedInput:
     products to three.
     """
 
-    def __init__(self, modules: list[torch.nn.Module]) -> None:
+    def __init__(self, modules: list[torch.nn.Module], joined: bool = False) -> None:
         self.modules = modules
         bases = [frozen_layer(module) for module in modules]
         self.sizes = [base.weight.shape[0] for base in bases]
         self.weight, self.bias = shared_weights(bases)
+        self.joined = _Joined() if joined else None
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
 
@@ -149,7 +180,7 @@ class _SharedInput:
         fresh = self.a is None or self.a.shape[0] != sum(ranks) or self.a.dtype != compute
         if fresh:
             inputs, device = next(f[0].shape[1] for f in factors if f), next(f[0].device for f in factors if f)
-            self.a = torch.empty((sum(ranks), inputs), dtype=compute, device=device)
+            self.a = _a_buffer(self.joined, self.weight, self.bias, (sum(ranks), inputs), compute)
             self.b = torch.zeros((sum(ranks), sum(self.sizes)), dtype=compute, device=device)
         row = column = 0
         for f, rank, size in zip(factors, ranks, self.sizes):
@@ -160,7 +191,33 @@ class _SharedInput:
         return fresh
 
     def parts(self) -> Projection:
+        if self.joined is not None and self.joined.weight is not None:
+            return self.joined.weight, self.joined.bias, None, self.b
         return self.weight, self.bias, self.a, self.b
+
+
+def _attention_projections(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """q, k, v and o of a decoder layer."""
+    return [getattr(layer.self_attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+
+
+def _mlp_projections(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """gate, up and down of a decoder layer."""
+    return [getattr(layer.mlp, name) for name in ("gate_proj", "up_proj", "down_proj")]
+
+
+def joined_by_default(device: torch.device, weight_bytes: int) -> bool:
+    """Whether a decoder joins its adapter's A factors to copies of the base weights (:class:`_Joined`):
+    ``LOCALTINKER_DECODE_JOINED=1``/``0`` decides; by default on CUDA where the copies (``weight_bytes``) take at
+    most 1/16 of the card and a quarter of its free memory — a small model, whose decode step is bound by its
+    kernels. A large one is bound by its weights' bytes, where a kernel more or less matters little."""
+    setting = os.environ.get(JOINED_ENV)
+    if setting in ("0", "1"):
+        return setting == "1"
+    if device.type != "cuda":
+        return False
+    free, total = torch.cuda.mem_get_info(device)
+    return weight_bytes <= min(_JOINED_SHARE * total, free / 4)
 
 
 _CONCATENATED = "_localtinker_concatenated"  # on the first base layer: (weight, bias) its group's views share
@@ -211,9 +268,10 @@ def _views_of(whole: torch.Tensor, parts: list[torch.Tensor]) -> bool:
 class StaticDecoder:
     """Decode steps of one base model over its own KV buffers (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, compiled: bool | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, compiled: bool | None = None, joined: bool | None = None) -> None:
         """``compiled``: the layer pieces through ``torch.compile`` (decode_layer.py); None = on CUDA with
-        Triton, unless ``LOCALTINKER_DECODE_COMPILE=0``."""
+        Triton, unless ``LOCALTINKER_DECODE_COMPILE=0``. ``joined``: the adapter's A factors joined to copies of
+        the base weights (:class:`_Joined`); None = :func:`joined_by_default`."""
         self.model = model
         decoder = model.get_decoder()
         self.embed, self.norm, self.rotary = decoder.embed_tokens, decoder.norm, decoder.rotary_emb
@@ -221,11 +279,14 @@ class StaticDecoder:
         self.head = _Projection(model.get_output_embeddings())
         self.shape = LayerShape.of(model)
         self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
+        layer_weights = sum(frozen_layer(module).weight.nbytes for layer in self.layers
+                            for module in (*_attention_projections(layer), *_mlp_projections(layer)))
+        self.joined = joined_by_default(self.device, layer_weights) if joined is None else joined
         self.projections = [
-            {"qkv": _SharedInput([getattr(layer.self_attn, name) for name in ("q_proj", "k_proj", "v_proj")]),
-             "o_proj": _Projection(layer.self_attn.o_proj),
-             "gate_up": _SharedInput([getattr(layer.mlp, name) for name in ("gate_proj", "up_proj")]),
-             "down_proj": _Projection(layer.mlp.down_proj)}
+            {"qkv": _SharedInput(_attention_projections(layer)[:3], self.joined),
+             "o_proj": _Projection(layer.self_attn.o_proj, self.joined),
+             "gate_up": _SharedInput(_mlp_projections(layer)[:2], self.joined),
+             "down_proj": _Projection(layer.mlp.down_proj, self.joined)}
             for layer in self.layers
         ]
         self.slots = self.columns = 0

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from localtinker.engine.api import LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
-from localtinker.engine.static_decode import MIN_COLUMNS, StaticDecoder, bucket, static_decode_supported
+from localtinker.engine.static_decode import JOINED_ENV, MIN_COLUMNS, StaticDecoder, bucket, static_decode_supported
 from tests.localtinker.engine.families import FAMILIES, family_dir
 from tests.localtinker.engine.reference import TINY
 
@@ -43,7 +43,26 @@ def _trained(engine: LocalEngine, model_id: str, seed: int, lora: LoraSpec = LOR
 
 
 def _pool(engine: LocalEngine) -> list[StaticDecoder]:
-    return engine._hosts[TINY].base.model.__dict__.get("_localtinker_static_decoders", [])
+    host = engine._hosts.get(TINY)  # (none before the engine's first model)
+    return [] if host is None else host.base.model.__dict__.get("_localtinker_static_decoders", [])
+
+
+@pytest.fixture(params=["separate", "joined"])
+def joined(request, engines, monkeypatch) -> str:
+    """The test runs with the decoders' A factors as products of their own, then joined to copies of the base
+    weights (static_decode._Joined: a GPU's default for a small model); the static engine's pool starts empty and
+    every decoder the test left there has the mode asked for."""
+    monkeypatch.setenv(JOINED_ENV, "1" if request.param == "joined" else "0")
+    _pool(engines["static"]).clear()
+    yield request.param
+    for decoder in _pool(engines["static"]):
+        assert decoder.joined == (request.param == "joined")
+        for projections in decoder.projections:
+            for projection in projections.values():
+                weight, _, a, b_t = projection.parts()
+                assert (a is None) == (request.param == "joined")  # joined: A sits in the weight's last rows
+                assert weight.shape[0] == b_t.shape[1] + (b_t.shape[0] if request.param == "joined" else 0)
+    _pool(engines["static"]).clear()
 
 
 def _assert_same(static_results, dynamic_results) -> None:
@@ -55,7 +74,7 @@ def _assert_same(static_results, dynamic_results) -> None:
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=TOLERANCE, rtol=0)
 
 
-def test_joins_compaction_and_growth_equal_the_dynamic_cache(engines):
+def test_joins_compaction_and_growth_equal_the_dynamic_cache(engines, joined):
     """A long request crosses the first column bucket (the cache grows), short ones join mid-decode and
     leave early (their slots are compacted away), one stops on a stop token."""
     long = SampleSpec(prompt_tokens=tuple(range(100, 130)), num_samples=3, max_tokens=MIN_COLUMNS + 20, seed=1,
@@ -65,7 +84,7 @@ def test_joins_compaction_and_growth_equal_the_dynamic_cache(engines):
                       temperature=0.7, top_p=0.9)
     results = {}
     for name, engine in engines.items():
-        sampler = _trained(engine, f"{name}:train:joins", seed=1)
+        sampler = _trained(engine, f"{name}:train:joins:{joined}", seed=1)
         stream = engine.sample_stream()
         stream.submit("long", sampler, long)
         done = {}
@@ -102,19 +121,19 @@ def test_stop_tokens_and_greedy_rows_leave_their_slots(engines):
     _assert_same(results["static"], results["dynamic"])
 
 
-def test_one_pooled_decoder_serves_adapters_and_the_base_model_in_turn(engines):
+def test_one_pooled_decoder_serves_adapters_and_the_base_model_in_turn(engines, joined):
     """Two adapters decoding at once take two decoders; later calls reuse them with the other adapter's
     factors (or none, for the base model) copied in."""
     specs = [SampleSpec(prompt_tokens=tuple(range(10 + k, 30 + k)), num_samples=2, max_tokens=6, seed=k,
                         stop_token_ids=()) for k in range(3)]
     results = {}
     for name, engine in engines.items():
-        first = _trained(engine, f"{name}:train:first", seed=3)
-        second = _trained(engine, f"{name}:train:second", seed=4)
-        engine.create_sampler(f"{name}-base", TINY, None)
+        first = _trained(engine, f"{name}:train:first:{joined}", seed=3)
+        second = _trained(engine, f"{name}:train:second:{joined}", seed=4)
+        engine.create_sampler(f"{name}-base-{joined}", TINY, None)
         together = engine.sample_batch([(first, specs[0]), (second, specs[1])])
         alone = engine.sample_batch([(second, specs[2]), (first, specs[2])])
-        base = engine.sample_batch([(f"{name}-base", specs[0])])
+        base = engine.sample_batch([(f"{name}-base-{joined}", specs[0])])
         results[name] = together + alone + base
     _assert_same(results["static"], results["dynamic"])
     assert len(_pool(engines["static"])) == 2
@@ -122,7 +141,7 @@ def test_one_pooled_decoder_serves_adapters_and_the_base_model_in_turn(engines):
     assert results["static"][0].sequences[0].tokens != results["static"][4].sequences[0].tokens
 
 
-def test_adapters_decoding_at_once_keep_their_own_factors(engines):
+def test_adapters_decoding_at_once_keep_their_own_factors(engines, joined):
     """Batches of different adapters step in turn, each on its own decoder: adapters of different A factors (and
     ranks) give each its own samples, as over the dynamic cache — a factor one decoder shares with another (the
     base weights are shared) would give one of them the other's."""
@@ -130,9 +149,9 @@ def test_adapters_decoding_at_once_keep_their_own_factors(engines):
                         stop_token_ids=()) for k in range(2)]
     results = {}
     for name, engine in engines.items():
-        first = _trained(engine, f"{name}:train:own-a", seed=6, lora=LoraSpec(rank=4, seed=11))
-        second = _trained(engine, f"{name}:train:own-b", seed=7, lora=LoraSpec(rank=4, seed=12))
-        third = _trained(engine, f"{name}:train:own-c", seed=8, lora=LoraSpec(rank=8, seed=13))
+        first = _trained(engine, f"{name}:train:own-a:{joined}", seed=6, lora=LoraSpec(rank=4, seed=11))
+        second = _trained(engine, f"{name}:train:own-b:{joined}", seed=7, lora=LoraSpec(rank=4, seed=12))
+        third = _trained(engine, f"{name}:train:own-c:{joined}", seed=8, lora=LoraSpec(rank=8, seed=13))
         results[name] = engine.sample_batch([(first, specs[0]), (second, specs[1]), (third, specs[0]),
                                              (first, specs[1])])
     _assert_same(results["static"], results["dynamic"])
@@ -209,6 +228,36 @@ def test_the_queued_step_chooses_as_the_host_does():
     assert decoder.tokens[:3].tolist() == expected_tokens.tolist()
     torch.testing.assert_close(decoder.chosen_logprobs[:3], expected_logprobs, atol=1e-6, rtol=0)
     assert decoder.positions[:4].tolist() == [1, 1, 1, 0]  # the free slot in the bucket stays put
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # qwen2: q/k/v biases (joined with zeros for A's rows)
+@torch.inference_mode()
+def test_compiled_joined_weights_decode_as_uncompiled_separate_products(family):
+    """A GPU decoder of a small model joins the adapter's A rows to copies of the base weights and compiles
+    the pieces; here the CPU's compiler runs that against the op-by-op step with A as products of its own,
+    with an adapter whose factors are all non-zero."""
+    from peft import LoraConfig, get_peft_model
+
+    model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets)).base_model.model
+    generator = torch.Generator().manual_seed(0)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    decoders = [StaticDecoder(model, compiled=False, joined=False), StaticDecoder(model, compiled=True, joined=True)]
+    for decoder in decoders:
+        decoder.set_adapter("default")
+        decoder.reserve(5, 12)
+        decoder.tokens[:5] = torch.tensor([11, 12, 13, 14, 15])
+    assert decoders[1].projections[0]["qkv"].parts()[2] is None  # joined: no A of its own
+    for step, rows in enumerate((5, 5, 3)):
+        logits = [decoder.step(rows, step) for decoder in decoders]
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
+        for decoder in decoders:
+            decoder.tokens[:rows] = logits[0].argmax(-1)
+            decoder.positions[:rows] += 1
+    assert decoders[1].compiled and decoders[1].compile_error is None
 
 
 @pytest.mark.parametrize("family", ["qwen3"])  # q/k norms: every piece of the layer is compiled
