@@ -4,8 +4,10 @@ A layer's weights and its adapter's factors come in as arguments, so one compile
 of a model (and every adapter of its layout). On a GPU a decode step is bound by its number of kernels, not
 its bytes (docs/localtinker-gpu.md): between the products, the norms, the rotation, the softmax and the
 gated activation run as a few small kernels each when taken op by op, and ``torch.compile`` fuses each run
-of them into one. The cache writes and the two attention products stay outside the compiled pieces, so no
-compiled code mutates its inputs, and the pieces need no more than what any torch with Triton compiles.
+of them into one. The step's keys and values are written into the cache inside the first piece
+(:func:`pre_attention_cached`: ``index_put_`` into the whole cache tensor, which the compiler turns into stores
+in the kernel that rotates k — a write into a slice of it would copy the slice); the two attention products
+stay outside.
 
 A projection is ``(weight, bias, A, (s·B)ᵀ)``: the frozen base layer and, for an adapted layer, the adapter's
 factors (None for none) in the compute dtype, as lora.py's fused forward computes them. A *joined* projection
@@ -113,6 +115,18 @@ def pre_attention(x: torch.Tensor, norm: torch.Tensor, qkv: Projection, q_norm: 
             v.reshape(rows, kv_heads, head_dim))
 
 
+def pre_attention_cached(x: torch.Tensor, norm: torch.Tensor, qkv: Projection, q_norm: torch.Tensor | None,
+                         k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                         eps: float, qk_eps: float, keys: torch.Tensor, values: torch.Tensor,
+                         index: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """:func:`pre_attention` for a decode step: k and v go into the layer's cache ``keys`` / ``values`` ``[slots,
+    kv heads, columns, dim]`` at ``index`` (slot, kv head, column, each ``[rows, kv heads]``); returns q."""
+    q, k, v = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, heads, kv_heads, eps, qk_eps)
+    keys.index_put_(index, k)
+    values.index_put_(index, v)
+    return q
+
+
 def attention_weights(scores: torch.Tensor, hidden: torch.Tensor, scale: float) -> torch.Tensor:
     """transformers' eager formula: scaled float32 scores, hidden columns masked, softmax, back to the dtype."""
     return torch.softmax((scores.float() * scale).masked_fill(hidden, MASKED), dim=-1).to(scores.dtype)
@@ -126,17 +140,22 @@ def post_attention(out: torch.Tensor, x: torch.Tensor, o_proj: Projection, norm:
     return project(F.silu(gate) * up, down, residual=x)
 
 
-PIECES = (pre_attention, attention_weights, post_attention)
+PIECES = (pre_attention_cached, attention_weights, post_attention)
 _compiled: dict[Callable, Callable] = {}
 
 
 def pieces(compiled: bool) -> tuple[Callable, ...]:
     """The three pieces, each compiled once per process when asked (graphs are then keyed by shapes, not by
     which layer or model calls them)."""
-    if not compiled:
-        return PIECES
+    return tuple(compiled_once(fn) for fn in PIECES) if compiled else PIECES
+
+
+def compiled_once(fn: Callable) -> Callable:
+    """``fn`` through ``torch.compile`` (whole graph), once per process."""
     allow_recompiles()
-    return tuple(_compiled.setdefault(fn, torch.compile(fn, fullgraph=True)) for fn in PIECES)
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, fullgraph=True)
+    return _compiled[fn]
 
 
 def allow_recompiles(limit: int = 64) -> None:

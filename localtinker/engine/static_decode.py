@@ -34,9 +34,11 @@ from typing import Any
 
 import torch
 
-from localtinker.engine.decode_layer import LayerShape, Projection, compile_by_default, pieces, project, rms
+from localtinker.engine.decode_layer import (
+    LayerShape, Projection, compile_by_default, compiled_once, pieces, project, rms,
+)
 from localtinker.engine.families import architecture, final_softcap, text_config, uses_sliding_windows
-from localtinker.engine.token_choice import draw
+from localtinker.engine.token_choice import choose_in_step
 
 STATIC_DECODE_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 MIN_COLUMNS = 128  # a graph is captured per power-of-two bucket of rows and of attended columns
@@ -297,7 +299,8 @@ class StaticDecoder:
         # the in-graph token choice's inputs, per slot (see CONTROLS), and output
         self.controls = torch.zeros((len(CONTROLS), 0), dtype=torch.float32, device=self.device)
         self.chosen_logprobs = torch.zeros((0,), dtype=torch.float32, device=self.device)
-        self._cos = self._sin = self._column_ids = None
+        self._cos = self._sin = self._column_ids = self._slot_ids = None
+        self._kv_head_ids = torch.arange(self.shape.kv_heads, device=self.device)
         self._graphs: dict[tuple[int, int, bool], tuple[Any, torch.Tensor]] = {}
         self.use_graphs = self.device.type == "cuda"
         self.graph_error: str | None = None  # why graphs were switched off, if they were
@@ -305,6 +308,7 @@ class StaticDecoder:
         self.compiled = by_default if compiled is None else compiled
         self.compile_error = None if self.compiled else why_not  # why the pieces are not compiled
         self._pieces = pieces(self.compiled)
+        self._choose = compiled_once(choose_in_step) if self.compiled else choose_in_step
         self._layer_parts = self._parts()
 
     @property
@@ -388,6 +392,7 @@ class StaticDecoder:
         ids = torch.arange(columns, device=self.device)
         cos, sin = self.rotary(self.embed.weight[:1][None], ids[None])
         self._cos, self._sin, self._column_ids = cos[0], sin[0], ids
+        self._slot_ids = torch.arange(slots, device=self.device)
         self._drop_graphs()
 
     @torch.inference_mode()
@@ -441,7 +446,7 @@ class StaticDecoder:
             self.compile_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             warnings.warn(f"static decode: compiling the decode step failed ({self.compile_error}); "
                           "decoding uncompiled", RuntimeWarning, stacklevel=3)
-            self.compiled, self._pieces = False, pieces(False)
+            self.compiled, self._pieces, self._choose = False, pieces(False), choose_in_step
             self._drop_graphs()
             return self._run_once(rows, last_position, choose)
 
@@ -493,9 +498,7 @@ class StaticDecoder:
         if not choose:
             return logits
         uniforms, temperatures, greedy, live = self.controls[:, :rows]
-        logprobs = (logits / temperatures[:, None]).log_softmax(dim=-1)
-        tokens = torch.where(greedy > 0, logprobs.argmax(dim=-1), draw(logprobs.exp(), uniforms))
-        self.chosen_logprobs[:rows] = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        tokens, self.chosen_logprobs[:rows] = self._choose(logits, uniforms, temperatures, greedy)
         self.tokens[:rows] = tokens
         self.positions[:rows] += live.long()
         return logits
@@ -505,15 +508,16 @@ class StaticDecoder:
         tokens, positions = self.tokens[:rows], self.positions[:rows]
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]  # [rows, 1, dim]
         hidden = (self._column_ids[:columns][None] > positions[:, None])[:, None, None]  # [rows, 1, 1, columns]
-        slot = positions.view(rows, 1, 1, 1).expand(rows, shape.kv_heads, 1, shape.head_dim)
+        # where this step's keys and values go: (slot, kv head, column = position), each [rows, kv heads]
+        wide = (rows, shape.kv_heads)
+        index = (self._slot_ids[:rows, None].expand(wide), self._kv_head_ids[None].expand(wide),
+                 positions[:, None].expand(wide))
         pre_attention, attention_weights, post_attention = self._pieces
         x = self.embed(tokens)
         for (norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down), keys, values in zip(
                 self._layer_parts, self.keys, self.values):
-            q, k, v = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, shape.heads, shape.kv_heads, shape.eps,
-                                    shape.qk_eps)
-            keys[:rows].scatter_(2, slot, k[:, :, None])
-            values[:rows].scatter_(2, slot, v[:, :, None])
+            q = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, shape.heads, shape.kv_heads, shape.eps,
+                              shape.qk_eps, keys, values, index)
             weights = attention_weights(torch.matmul(q, keys[:rows, :, :columns].transpose(-1, -2)), hidden,
                                         shape.scale)
             out = torch.matmul(weights, values[:rows, :, :columns])  # [rows, kv heads, group, dim]

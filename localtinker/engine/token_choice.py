@@ -37,11 +37,21 @@ def next_uniforms(rows: list[SampleRow]) -> list[float]:
 def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Where each row's uniform falls in its cumulative (unnormalised) distribution ``weights`` [rows, vocab].
     Shape-static and free of host synchronisation, so a CUDA graph can hold it (static_decode.py)."""
-    vocab = weights.shape[-1]
     cdf = weights.cumsum(dim=-1)
     tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
-    last_positive = vocab - 1 - (weights.flip(-1) > 0).int().argmax(dim=-1)  # rounding at the top end
+    columns = torch.arange(weights.shape[-1], device=weights.device)
+    last_positive = torch.where(weights > 0, columns, 0).amax(dim=-1)  # rounding at the top end
     return torch.minimum(tokens, last_positive)
+
+
+def choose_in_step(logits: torch.Tensor, uniforms: torch.Tensor, temperatures: torch.Tensor,
+                   greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, their logprobs) as :func:`choose_tokens_on_device` chooses them without top-k/top-p, from
+    per-row tensors (uniform, temperature, 1 for greedy): shape-static and free of host synchronisation, for
+    a decode step's graph (static_decode.py, which compiles it with the layer pieces on a GPU)."""
+    logprobs = (logits / temperatures[:, None]).log_softmax(dim=-1)
+    tokens = torch.where(greedy > 0, logprobs.argmax(dim=-1), draw(logprobs.exp(), uniforms))
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def filters(rows: list[SampleRow], vocab: int) -> bool:

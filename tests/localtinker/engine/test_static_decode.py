@@ -230,6 +230,30 @@ def test_the_queued_step_chooses_as_the_host_does():
     assert decoder.positions[:4].tolist() == [1, 1, 1, 0]  # the free slot in the bucket stays put
 
 
+def test_the_compiled_in_step_choice_draws_what_the_eager_one_draws():
+    """On a GPU the in-step token choice is compiled with the layer pieces; the CPU's compiler checks here that it
+    draws the same tokens with the same logprobs — sampled rows at several temperatures, a greedy row, and a row
+    whose top-end weights are zero drawn at the very end of its distribution (the last positive token, never a
+    zero-weight one)."""
+    from localtinker.engine.decode_layer import compiled_once
+    from localtinker.engine.token_choice import choose_in_step
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn((6, 1000), generator=generator) * 3
+    logits[5, 900:] = float("-inf")
+    uniforms = torch.rand(6, generator=generator)
+    uniforms[5] = 1.0
+    temperatures = torch.tensor([1.0, 0.5, 1.7, 1.0, 1.0, 1.0])
+    greedy = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0, 0.0])
+    eager = choose_in_step(logits, uniforms, temperatures, greedy)
+    compiled = compiled_once(choose_in_step)(logits, uniforms, temperatures, greedy)
+    assert compiled[0].tolist() == eager[0].tolist()
+    torch.testing.assert_close(compiled[1], eager[1], atol=1e-6, rtol=0)
+    assert eager[0][3] == logits[3].argmax() and eager[0][5] == 899
+    expected = (logits / temperatures[:, None]).log_softmax(-1).gather(-1, eager[0][:, None]).squeeze(-1)
+    torch.testing.assert_close(eager[1], expected)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # qwen2: q/k/v biases (joined with zeros for A's rows)
 @torch.inference_mode()
 def test_compiled_joined_weights_decode_as_uncompiled_separate_products(family):
@@ -257,6 +281,12 @@ def test_compiled_joined_weights_decode_as_uncompiled_separate_products(family):
         for decoder in decoders:
             decoder.tokens[:rows] = logits[0].argmax(-1)
             decoder.positions[:rows] += 1
+    for decoder in decoders:  # then a step that chooses its tokens (compiled too), three rows sampled, one greedy
+        decoder.controls[:, :4] = torch.tensor([[0.2, 0.5, 0.9, 0.0], [1.0, 0.7, 1.0, 1.0], [0, 0, 1, 0],
+                                                [1, 1, 1, 0]])
+        decoder.step_and_choose(3, 3)
+    assert decoders[1].tokens[:3].tolist() == decoders[0].tokens[:3].tolist()
+    torch.testing.assert_close(decoders[1].chosen_logprobs[:3], decoders[0].chosen_logprobs[:3], atol=1e-5, rtol=0)
     assert decoders[1].compiled and decoders[1].compile_error is None
 
 
