@@ -120,11 +120,12 @@ def pre_attention_cached(x: torch.Tensor, norm: torch.Tensor, qkv: Projection, q
                          eps: float, qk_eps: float, keys: torch.Tensor, values: torch.Tensor,
                          index: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """:func:`pre_attention` for a decode step: k and v go into the layer's cache ``keys`` / ``values`` ``[slots,
-    kv heads, columns, dim]`` at ``index`` (slot, kv head, column, each ``[rows, kv heads]``); returns q."""
+    kv heads, columns, dim]`` at ``index`` (slot, kv head, column, each ``[rows, kv heads]``); returns q, contiguous
+    (a view of the rotation's output would be copied before the attention's first product: a kernel per layer)."""
     q, k, v = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, heads, kv_heads, eps, qk_eps)
     keys.index_put_(index, k)
     values.index_put_(index, v)
-    return q
+    return q.contiguous()
 
 
 def attention_weights(scores: torch.Tensor, hidden: torch.Tensor, scale: float) -> torch.Tensor:
