@@ -7,9 +7,9 @@ the next step: their distinct prompts are prefilled together (each prompt once, 
 samples) and merged into the batch; finished rows leave, and columns no row attends to any more are dropped.
 Attention, masks (sliding windows included) and the model's own layers are transformers'; the logits go
 through ``chunked_logprobs.output_logits``, the trainer's function, so sampler and trainer agree.
-With ``static_decode`` (the default on a GPU) the decode steps of the Llama-shaped families run instead
-over ``static_decode.StaticDecoder``'s preallocated cache, each step one CUDA graph replay; prefill stays
-transformers'.
+With ``static_decode`` (the default on a GPU) the Llama-shaped families run instead over
+``static_decode.StaticDecoder``'s preallocated cache: prefill through its own pieces, each prompt once and packed
+without padding, and each decode step one CUDA graph replay.
 Admission is bounded by the same KV budget as the CPU stream (prompt + samples × min(max_tokens, 1024)).
 """
 
@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from localtinker.engine.api import EngineUserError, SampledSequence, SampleResult, SampleSpec
@@ -109,6 +110,56 @@ class _Batch:
         """Prefills the requests' prompts and draws their first tokens; returns requests already complete."""
         done = self._collect()  # a queued step's rows take their token before others join
         prompts = list(dict.fromkeys(r.spec.prompt_tokens for r in requests))
+        prompt_index = {prompt: i for i, prompt in enumerate(prompts)}
+        new_rows: list[SampleRow] = []
+        row_prompts: list[int] = []
+        for request in requests:
+            request.rows = rows_for(request, request.spec, self.target.eos_token_ids)
+            request.left = len(request.rows) if request.spec.max_tokens > 0 else 0
+            if request.left:
+                new_rows += request.rows
+                row_prompts += [prompt_index[request.spec.prompt_tokens]] * len(request.rows)
+        start = len(self.rows)
+        if self.static is not None:
+            hidden, ends = self._prefill_static(prompts, new_rows, row_prompts)
+        else:
+            hidden, ends, cache, mask, positions = self._prefill_dynamic(prompts)
+        for request in requests:
+            if request.spec.prompt_logprobs:
+                end = ends[prompt_index[request.spec.prompt_tokens]]
+                request.prompt_logprobs = self._prompt_logprobs(hidden[: end + 1], request.spec)
+            if request.left == 0:
+                for row in request.rows:
+                    row.stop_reason = "length"
+                done.append(request)
+        if not new_rows:
+            return done
+        chosen = torch.tensor(row_prompts, device=self.device)
+        first_logits = output_logits(hidden[torch.tensor(ends, device=self.device)[chosen]], self.lm_head,
+                                     self.softcap)
+        if self.static is None:
+            new_cache, new_mask = select_rows(cache, mask, chosen)
+            self._merge(new_rows, new_cache, new_mask, positions[chosen, -1] + 1)
+        return done + self._record(first_logits, new_rows, start=start)
+
+    def _prefill_static(self, prompts: list[tuple[int, ...]], new_rows: list[SampleRow],
+                        row_prompts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """The static decoder's prefill (each prompt once, its keys and values written into each new row's
+        slot); returns the packed hidden states and each prompt's last row in them."""
+        start = len(self.rows)
+        self.rows += new_rows
+        self.next_positions += [len(row.request.spec.prompt_tokens) for row in new_rows]
+        self.static.reserve(max(len(self.rows), 1), max(len(p) for p in prompts) + 1)
+        slots: list[list[int]] = [[] for _ in prompts]
+        for offset, prompt in enumerate(row_prompts):
+            slots[prompt].append(start + offset)
+        hidden = self.static.prefill(prompts, slots)
+        self.static.positions[start : len(self.rows)] = torch.tensor(self.next_positions[start:], device=self.device)
+        return hidden, (np.cumsum([len(p) for p in prompts]) - 1).tolist()
+
+    def _prefill_dynamic(self, prompts: list[tuple[int, ...]]):
+        """transformers' layers over the prompts, left-padded to a common width, into a fresh RowCache; returns
+        the hidden states flattened row by row, each prompt's last row in them, the cache, mask and positions."""
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.target.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -120,36 +171,8 @@ class _Batch:
         cache = RowCache()
         hidden = self.decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                               use_cache=True).last_hidden_state
-        index: list[int] = []
-        new_rows: list[SampleRow] = []
-        for request in requests:
-            prompt_row = prompts.index(request.spec.prompt_tokens)
-            if request.spec.prompt_logprobs:
-                request.prompt_logprobs = self._prompt_logprobs(hidden[prompt_row], request.spec)
-            request.rows = rows_for(request, request.spec, self.target.eos_token_ids)
-            request.left = len(request.rows) if request.spec.max_tokens > 0 else 0
-            if request.left == 0:
-                for row in request.rows:
-                    row.stop_reason = "length"
-                done.append(request)
-                continue
-            index += [prompt_row] * len(request.rows)
-            new_rows += request.rows
-        if not new_rows:
-            return done
-        chosen = torch.tensor(index, device=self.device)
-        first_logits = output_logits(hidden[chosen, -1], self.lm_head, self.softcap)
-        if self.static is not None:
-            start = len(self.rows)
-            self.rows += new_rows
-            self.next_positions += [len(row.request.spec.prompt_tokens) for row in new_rows]
-            self.static.reserve(len(self.rows), max(self.next_positions) + 1)
-            layers = [(layer.keys[chosen], layer.values[chosen]) for layer in cache.layers]
-            self.static.write_prompts(start, layers, mask[chosen], positions[chosen, -1] + 1)
-            return done + self._record(first_logits, new_rows, start=start)
-        new_cache, new_mask = select_rows(cache, mask, chosen)
-        self._merge(new_rows, new_cache, new_mask, positions[chosen, -1] + 1)
-        return done + self._record(first_logits, new_rows, start=len(self.rows) - len(new_rows))
+        ends = [(row + 1) * width - 1 for row in range(len(prompts))]
+        return hidden.reshape(len(prompts) * width, -1), ends, cache, mask, positions
 
     def step(self) -> list[_Request]:
         """One decode step for every row; returns the requests whose last row just finished."""

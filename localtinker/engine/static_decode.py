@@ -15,7 +15,8 @@ set of graphs serves every adapter of the same layout (an RL loop samples a new 
 Each layer runs decode_layer.py's pieces (compiled on a GPU with Triton): q/k/v, and gate/up, are one
 product each over weights the modules share (:class:`_SharedInput`). A step can also choose its tokens
 inside the graph (:meth:`StaticDecoder.step_and_choose`), so the host need not wait for it before queuing
-the next one.
+the next one. Prompts are prefilled through the same pieces, op by op, each once and packed without padding
+(:meth:`StaticDecoder.prefill`).
 
 Attention groups a KV head's query heads as a short query sequence (``[rows, kv heads, group, dim]``)
 against that head's cache, so no key is repeated per query head, and is written as two products with a
@@ -32,12 +33,15 @@ import time
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 
 from localtinker.engine.decode_layer import (
-    LayerShape, Projection, compile_by_default, compiled_once, pieces, project, rms,
+    LayerShape, Projection, compile_by_default, compiled_once, pieces, post_attention, pre_attention, project, rms,
 )
 from localtinker.engine.families import architecture, final_softcap, text_config, uses_sliding_windows
+from localtinker.engine.packed_layout import PackedLayout
+from localtinker.engine.portable_attention import packed_causal_attention
 from localtinker.engine.token_choice import choose_in_step
 
 STATIC_DECODE_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
@@ -396,18 +400,42 @@ class StaticDecoder:
         self._drop_graphs()
 
     @torch.inference_mode()
-    def write_prompts(self, start: int, layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor,
-                      positions: torch.Tensor) -> None:
-        """Rows ``start..`` take a prefill's left-padded keys and values (``mask`` [rows, width]) moved to
-        column = position; ``positions`` is each row's next position."""
-        rows, width = mask.shape
-        lengths = mask.sum(dim=1)
-        source = (torch.arange(width, device=self.device)[None] + (width - lengths)[:, None]).clamp(max=width - 1)
-        index = source[:, None, :, None].expand(rows, self.shape.kv_heads, width, self.shape.head_dim)
-        for (keys, values), k, v in zip(layers, self.keys, self.values):
-            k[start : start + rows, :, :width] = keys.gather(2, index)
-            v[start : start + rows, :, :width] = values.gather(2, index)
-        self.positions[start : start + rows] = positions
+    def prefill(self, prompts: list[tuple[int, ...]], slots: list[list[int]]) -> torch.Tensor:
+        """Runs ``prompts`` (each once, packed end to end without padding) through the layers as this decoder's
+        own pieces run a step, op by op, and writes each prompt's keys and values into each of its ``slots``
+        at columns ``0..len−1``; returns the final-normed hidden states ``[Σ len, hidden]`` in packed order.
+        Attention is by prompt (flash varlen on a GPU). Columns for the longest prompt must be reserved.
+
+        transformers' layers took a 16-prompt prefill through ~1200 kernel launches, host-bound on a GPU
+        (docs/localtinker-gpu.md); these pieces take about half as many, and prefill and decode share the
+        adapter's factors as this decoder holds them."""
+        shape = self.shape
+        lengths = [len(prompt) for prompt in prompts]
+        starts = np.cumsum([0, *lengths[:-1]]).tolist()
+        tokens = torch.tensor([t for prompt in prompts for t in prompt], device=self.device)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
+        pairs = [(slot, start + column) for start, n, owners in zip(starts, lengths, slots) for slot in owners
+                 for column in range(n)]
+        slot_of, row_of = torch.tensor(pairs, dtype=torch.long).t().to(self.device) if pairs else (None, None)
+        if pairs:
+            wide = (len(pairs), shape.kv_heads)
+            index = (slot_of[:, None].expand(wide), self._kv_head_ids[None].expand(wide),
+                     positions[row_of][:, None].expand(wide))
+        layout = PackedLayout.rows(lengths, self.device)
+        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
+        x = self.embed(tokens)
+        for (norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down), keys, values in zip(
+                self._layer_parts, self.keys, self.values):
+            q, k, v = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, shape.heads, shape.kv_heads, shape.eps,
+                                    shape.qk_eps)
+            if pairs:
+                keys.index_put_(index, k[row_of])
+                values.index_put_(index, v[row_of])
+            out = packed_causal_attention(q.reshape(len(positions), shape.heads, shape.head_dim), k, v, layout,
+                                          shape.scale)
+            x = post_attention(out.reshape(len(positions), shape.heads * shape.head_dim), x, o_proj, post_norm,
+                               gate_up, down, shape.eps)
+        return rms(x, self.norm.weight, shape.eps)
 
     @torch.inference_mode()
     def keep(self, index: torch.Tensor, count: int) -> None:

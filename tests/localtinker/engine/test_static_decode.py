@@ -72,6 +72,10 @@ def _assert_same(static_results, dynamic_results) -> None:
         assert [s.stop_reason for s in ours.sequences] == [s.stop_reason for s in theirs.sequences]
         for a, b in zip(ours.sequences, theirs.sequences):
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=TOLERANCE, rtol=0)
+        assert (ours.prompt_logprobs is None) == (theirs.prompt_logprobs is None)
+        if ours.prompt_logprobs is not None:
+            assert ours.prompt_logprobs[0] is None and theirs.prompt_logprobs[0] is None
+            np.testing.assert_allclose(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:], atol=TOLERANCE, rtol=0)
 
 
 def test_joins_compaction_and_growth_equal_the_dynamic_cache(engines, joined):
@@ -119,6 +123,25 @@ def test_stop_tokens_and_greedy_rows_leave_their_slots(engines):
         ])
         assert results[name][0].sequences[0].stop_reason == "stop"
     _assert_same(results["static"], results["dynamic"])
+
+
+def test_prompts_prefilled_once_with_their_logprobs_equal_the_dynamic_cache(engines):
+    """The static decoder prefills each distinct prompt once, packed without padding, and writes its keys
+    and values into every sample's slot: prompt logprobs, a request of no new tokens, and two requests of one
+    prompt among prompts of other lengths sample as over the dynamic cache."""
+    prompt = tuple(range(200, 223))
+    specs = [SampleSpec(prompt_tokens=prompt, num_samples=3, max_tokens=6, seed=1, prompt_logprobs=True,
+                        stop_token_ids=()),
+             SampleSpec(prompt_tokens=tuple(range(500, 507)), max_tokens=0, prompt_logprobs=True, stop_token_ids=()),
+             SampleSpec(prompt_tokens=prompt, num_samples=2, max_tokens=5, seed=2, stop_token_ids=()),
+             SampleSpec(prompt_tokens=tuple(range(600, 640)), max_tokens=7, seed=3, stop_token_ids=())]
+    results = {}
+    for name, engine in engines.items():
+        sampler = _trained(engine, f"{name}:train:prefill", seed=5)
+        results[name] = engine.sample_batch([(sampler, spec) for spec in specs])
+    _assert_same(results["static"], results["dynamic"])
+    assert results["static"][1].sequences[0].tokens == [] and len(results["static"][1].prompt_logprobs) == 7
+    assert len(results["static"][0].prompt_logprobs) == len(prompt)
 
 
 def test_one_pooled_decoder_serves_adapters_and_the_base_model_in_turn(engines, joined):
