@@ -85,10 +85,12 @@ def train_pre_attention(x: torch.Tensor, norm: torch.Tensor, weight: torch.Tenso
                         factors: Factors, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                         cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, eps: float,
                         qk_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q ``[tokens, heads, dim]``, k and v ``[tokens, kv heads, dim]`` of a layer's normed input, rotated."""
+    """q ``[tokens, heads, dim]``, k and v ``[tokens, kv heads, dim]`` of a layer's normed input, rotated; each
+    contiguous, as the flash kernel takes them: compiled, the kernels that compute them write them so, where views
+    of the rotation's and the product's outputs were copied before the kernel (three copies per layer forward)."""
     q, k, v = pre_attention(x, norm, (weight, bias, *_lora(x.dtype, factors)), q_norm, k_norm, cos, sin, heads,
                             kv_heads, eps, qk_eps)
-    return q.reshape(q.shape[0], heads, q.shape[-1]), k, v
+    return q.reshape(q.shape[0], heads, q.shape[-1]).contiguous(), k.contiguous(), v.contiguous()
 
 
 def train_post_attention(out: torch.Tensor, x: torch.Tensor, o_proj: tuple, o_factors: Factors, norm: torch.Tensor,
