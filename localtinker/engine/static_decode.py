@@ -383,6 +383,9 @@ class StaticDecoder:
             if old_k is not None:
                 k[: self.slots, :, : self.columns] = old_k
                 v[: self.slots, :, : self.columns] = old_v
+            for cache in (k, v):  # the compiled piece writing into it serves every cache size (no recompile)
+                torch._dynamo.maybe_mark_dynamic(cache, 0)
+                torch._dynamo.maybe_mark_dynamic(cache, 2)
             keys.append(k)
             values.append(v)
         self.keys, self.values = keys, values
