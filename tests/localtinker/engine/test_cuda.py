@@ -111,8 +111,9 @@ def test_bf16_sampler_matches_the_trainer(cuda_bf16):
 
 
 def test_decode_graphs_agree_with_the_trainer(tmp_path):
-    """The static decode step replayed as CUDA graphs (the GPU's default sampler: layer pieces compiled where
-    Triton is, tokens chosen inside the graph, one step queued ahead), in float32, across row compaction and
+    """The static decode step replayed as CUDA graphs (the GPU's default sampler: prompts prefilled through its
+    pieces, layer pieces compiled where Triton is, cache writes and tokens chosen inside the graph, the adapter's
+    A joined to the base weights, one step queued ahead), in float32, across row compaction and
     cache growth, and again from the pooled decoder: its logprobs are the trainer's on the tokens it drew.
     (Tokens are not compared between runs: a tiny random model's near-uniform distribution turns float32
     kernel noise, such as a bucket's graph recaptured with other compiled kernels, into a different draw.)"""
@@ -129,6 +130,7 @@ def test_decode_graphs_agree_with_the_trainer(tmp_path):
     (decoder,) = pooled_decoders(engine._hosts[TINY].base.model)
     assert decoder.use_graphs and decoder.captured_graphs >= 1, decoder.graph_error
     assert decoder.compiled == (importlib.util.find_spec("triton") is not None), decoder.compile_error
+    assert decoder.joined  # a small model: the adapter's A rows joined to the decoder's copy of the base weights
     assert decoder.columns == 2 * MIN_COLUMNS  # graphs captured again after the cache grew
     again = engine.sample_batch([("graphs", spec) for spec in specs])  # the pooled decoder, its graphs kept
     for spec, result in zip(specs + specs, results + again):
