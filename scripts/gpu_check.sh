@@ -4,7 +4,7 @@
 # report (printed too). About 8 minutes on one H100 (tests: 11 of them took 120-140 s, most of it compiling the
 # training pieces for each tiny family, and 18 now; bench ~260 s before its CUDA-graph, shared-prompt and
 # separate-A rows),
-# at most 240 s + 400 s: where one command may run 600 s, run PARTS=tests and PARTS=bench as two.
+# at most 300 s + 400 s: where one command may run 600 s, run PARTS=tests and PARTS=bench as two.
 #
 #   bash scripts/gpu_check.sh                 # report in ./gpu-report/ (or $OUT/ when set)
 #   WHEELS=dir bash scripts/gpu_check.sh      # install dir/*.whl first (default: .whl/ when present)
@@ -12,7 +12,7 @@
 #   PARTS=bench ...                           # only the bench (default: "tests bench")
 #   BENCH_ARGS=--profile ...                  # extra bench_gpu.py options
 #   TRACES=dir ...                            # profile the 1B calls, keep their traces in dir, summarise them
-#   TESTS_TIMEOUT=s BENCH_TIMEOUT=s ...       # each part's limit (default 240 s and 400 s)
+#   TESTS_TIMEOUT=s BENCH_TIMEOUT=s ...       # each part's limit (default 300 s and 400 s)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -37,7 +37,7 @@ fi
   echo
   echo "## make test-gpu (tests/localtinker/engine/test_cuda.py)"
   # --tb=line: a failure's reason stays in the report (one line each) after the filter below
-  timeout "${TESTS_TIMEOUT:-240}" "$PY" -m pytest -q -rfs --tb=line --noconftest -p no:cacheprovider -p no:logging -m gpu \
+  timeout "${TESTS_TIMEOUT:-300}" "$PY" -m pytest -q -rfs --tb=line --noconftest -p no:cacheprovider -p no:logging -m gpu \
     tests/localtinker/engine/test_cuda.py 2>&1 \
     | grep -vE "Warning|warnings.warn|^$|Loading weights|Writing model|^tests/|^  |^DEBUG" | tail -30
   fi
