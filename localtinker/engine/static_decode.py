@@ -31,6 +31,7 @@ import logging
 import os
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -159,6 +160,7 @@ class _Projection:
         return self.base.weight, self.base.bias, self.a, self.b_t
 
 
+@dataclass
 class _Joined:
     """A decoder's own copy of a group's base weight with the adapter's A rows after it (``[W; A]``, and the
     bias with zeros for those rows), so ``x Aᵀ`` comes out of the base product: a decode step of a small
@@ -448,13 +450,13 @@ class StaticDecoder:
         starts = np.cumsum([0, *lengths[:-1]]).tolist()
         tokens = torch.tensor([t for prompt in prompts for t in prompt], device=self.device)
         positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
-        pairs = [(slot, start + column) for start, n, owners in zip(starts, lengths, slots) for slot in owners
-                 for column in range(n)]
-        slot_of, row_of = torch.tensor(pairs, dtype=torch.long).t().to(self.device) if pairs else (None, None)
-        if pairs:
-            wide = (len(pairs), shape.kv_heads)
-            index = (slot_of[:, None].expand(wide), self._kv_head_ids[None].expand(wide),
-                     positions[row_of][:, None].expand(wide))
+        # each (slot, packed row) whose key and value the slot takes, and where: (slot, kv head, column)
+        pairs = torch.tensor([(slot, start + column) for start, n, owners in zip(starts, lengths, slots)
+                              for slot in owners for column in range(n)], dtype=torch.long).reshape(-1, 2)
+        slot_of, row_of = pairs.to(self.device).unbind(1)
+        wide = (len(pairs), shape.kv_heads)
+        index = (slot_of[:, None].expand(wide), self._kv_head_ids[None].expand(wide),
+                 positions[row_of][:, None].expand(wide))
         layout = PackedLayout.rows(lengths, self.device)
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
         x = self.embed(tokens)
@@ -462,9 +464,8 @@ class StaticDecoder:
                 self._layer_parts, self.keys, self.values):
             q, k, v = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, shape.heads, shape.kv_heads, shape.eps,
                                     shape.qk_eps)
-            if pairs:
-                keys.index_put_(index, k[row_of])
-                values.index_put_(index, v[row_of])
+            keys.index_put_(index, k[row_of])
+            values.index_put_(index, v[row_of])
             out = packed_causal_attention(q.reshape(len(positions), shape.heads, shape.head_dim), k, v, layout,
                                           shape.scale)
             x = post_attention(out.reshape(len(positions), shape.heads * shape.head_dim), x, o_proj, post_norm,
