@@ -531,13 +531,15 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
         chat_run = None if big else (lambda: our_step(engine, model_id, chat_data))
         compare_training_graphs(key, engine, name, lambda: our_step(engine, model_id, sft_data), chat_run, repeats,
                                 results, profile)
+    # a sampler of the adapter as it is now: the first one was superseded by the GRPO steps' snapshots since
+    late_sampler = f"sampler-{key}-late"
+    engine.create_ephemeral_sampler(late_sampler, model_id)
     if key == "1b":
-        engine.create_ephemeral_sampler(f"sampler-{key}-late", model_id)  # (the first one was superseded since)
-        compare_decode_joined(key, engine, name, lambda: our_sample(engine, f"sampler-{key}-late", prompts, new),
-                              count * new, results)
+        compare_decode_joined(key, engine, name, lambda: our_sample(engine, late_sampler, prompts, new), count * new,
+                              results)
     if profile and key == "1b":
         profile_ours(lambda: our_step(engine, model_id, sft_data), "SFT step 8 x 512")
-        profile_ours(lambda: our_sample(engine, f"sampler-{key}", prompts, 16), "sampling 64 x 16")
+        profile_ours(lambda: our_sample(engine, late_sampler, prompts, 16), "sampling 64 x 16")
         profiled_steps = [100]
         profile_ours(lambda: our_grpo_step(engine, model_id, prompts[:grpo_prompts], grpo_samples, grpo_new,
                                            profiled_steps), "GRPO step")
