@@ -14,7 +14,8 @@ Work measured (median of a few runs after a warm-up; each side on the same weigh
   forward_backward again with each sample's prompt run whole (shared prompts off, packed_layout.py);
 - the 1B SFT step and chat rows again with the training pieces as CUDA graphs (opt-in ``LOCALTINKER_TRAIN_GRAPHS``);
 - the 1B sampling again with the adapter's A factors as products of their own (``LOCALTINKER_DECODE_JOINED=0``;
-  by default a small model's decoder joins them to copies of the base weights);
+  by default a small model's decoder joins them to copies of the base weights), and with the opt-in decode
+  attention (``LOCALTINKER_DECODE_ATTENTION=sdpa``), last;
 - Llama-3.1-8B: SFT step 8 × 2048 (baseline with gradient checkpointing, as it needs to fit), MFU =
   6·N·tokens / time / the card's dense bf16 peak, peak memory; sampling 64 × 128, and 64 × 512 with its peak memory.
 Prints each figure as it goes and a summary with ratios against the goals; ``--json PATH`` writes them.
@@ -311,32 +312,30 @@ def compare_training_graphs(key: str, engine, name: str, sft_step: Callable[[], 
         layers.set_graphs(False)
 
 
-def compare_decode_joined(key: str, engine, name: str, sample: Callable[[], object], tokens: int,
-                          results: dict[str, float]) -> None:
-    """Sampling again with the adapter's A factors as products of their own (``LOCALTINKER_DECODE_JOINED=0``),
-    in this process: the decoders of the run above joined them to copies of the base weights (static_decode.py,
-    a GPU's default for a small model) — this times the other side on fresh decoders (compiled and captured
-    in the warm-up)."""
-    from localtinker.engine.static_decode import JOINED_ENV, pooled_decoders
+def compare_decode_variant(key: str, engine, name: str, sample: Callable[[], object], tokens: int,
+                           results: dict[str, float], env: str, value: str, label: str) -> None:
+    """Sampling again with ``env=value`` on fresh decoders (compiled and captured in the warm-up), in this
+    process, against the same baseline: ``{key}.ours_{label}.sample_tok_s`` and ``{key}.sample_ratio_{label}``."""
+    from localtinker.engine.static_decode import pooled_decoders
 
     pool = pooled_decoders(engine._hosts[name].base.model)
-    if not any(decoder.joined for decoder in pool):
-        return
-    before = os.environ.get(JOINED_ENV)
-    os.environ[JOINED_ENV] = "0"
+    before = os.environ.get(env)
+    os.environ[env] = value
     pool.clear()
     try:
         seconds = timed(sample, 1)
-        say(f"{key}.ours_separate_a.sample_tok_s", tokens / seconds, " tok/s")
+        say(f"{key}.ours_{label}.sample_tok_s", tokens / seconds, " tok/s")
         if f"{key}.hf.sample_tok_s" in results:
-            say(f"{key}.sample_ratio_separate_a", tokens / seconds / results[f"{key}.hf.sample_tok_s"], "x")
+            say(f"{key}.sample_ratio_{label}", tokens / seconds / results[f"{key}.hf.sample_tok_s"], "x")
+        for error in {d.graph_error for d in pool if d.graph_error}:
+            print(f"  {key}: {label}: decode graphs off: {error}", flush=True)
     except Exception as error:  # noqa: BLE001 - a comparison: say what failed, go on
-        print(f"  {key}: sampling with separate A products failed: {type(error).__name__}: {error}", flush=True)
+        print(f"  {key}: sampling with {env}={value} failed: {type(error).__name__}: {error}", flush=True)
     finally:
         if before is None:
-            os.environ.pop(JOINED_ENV, None)
+            os.environ.pop(env, None)
         else:
-            os.environ[JOINED_ENV] = before
+            os.environ[env] = before
         pool.clear()
 
 
@@ -390,7 +389,7 @@ def profile_ours(run: Callable[[], object], label: str) -> None:
 def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | None, profile: bool = False,
                 precision: bool = False) -> None:
     from localtinker.engine.api import LoraSpec
-    from localtinker.engine.static_decode import pooled_decoders
+    from localtinker.engine.static_decode import ATTENTION_ENV, JOINED_ENV, pooled_decoders
 
     shape = SHAPES[key] if DEVICE.type == "cuda" else {**SHAPES[key], **SMOKE, "head_dim": 16}
     print(f"== {shape['name']} (vocab {shape['vocab_size']}, LoRA r{RANK} attn+MLP, bf16)", flush=True)
@@ -534,15 +533,21 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
     # a sampler of the adapter as it is now: the first one was superseded by the GRPO steps' snapshots since
     late_sampler = f"sampler-{key}-late"
     engine.create_ephemeral_sampler(late_sampler, model_id)
-    if key == "1b":
-        compare_decode_joined(key, engine, name, lambda: our_sample(engine, late_sampler, prompts, new), count * new,
-                              results)
+    late_sample = lambda: our_sample(engine, late_sampler, prompts, new)  # noqa: E731
+    if key == "1b" and any(d.joined for d in pooled_decoders(engine._hosts[name].base.model)):
+        # the adapter's A factors as products of their own (a small model's decoder joins them by default)
+        compare_decode_variant(key, engine, name, late_sample, count * new, results, JOINED_ENV, "0", "separate_a")
     if profile and key == "1b":
         profile_ours(lambda: our_step(engine, model_id, sft_data), "SFT step 8 x 512")
         profile_ours(lambda: our_sample(engine, late_sampler, prompts, 16), "sampling 64 x 16")
         profiled_steps = [100]
         profile_ours(lambda: our_grpo_step(engine, model_id, prompts[:grpo_prompts], grpo_samples, grpo_new,
                                            profiled_steps), "GRPO step")
+    if key == "1b":
+        # the opt-in decode attention (sdpa's memory-efficient kernel), last: a capture that fails can leave the
+        # process's CUDA generator unusable (docs/localtinker-gpu.md)
+        compare_decode_variant(key, engine, name, late_sample, count * new, results, ATTENTION_ENV, "sdpa",
+                               "sdpa_attention")
     engine.unload_model(model_id)
     engine._hosts.pop(name, None)
     engine._samplers.clear()

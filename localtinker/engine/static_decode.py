@@ -31,11 +31,14 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from localtinker.engine.decode_layer import (
     LayerShape, Projection, compile_by_default, compiled_once, pieces, post_attention, pre_attention, project, rms,
@@ -50,6 +53,7 @@ MIN_COLUMNS = 128  # a graph is captured per power-of-two bucket of rows and of 
 _POOL = "_localtinker_static_decoders"  # on the base model: decoders whose batch has drained, graphs kept
 _KEPT_DECODERS = 2
 _KEPT_CACHE_SHARE = 1 / 8  # of the device's memory: the pooled decoders' caches together, at most
+ATTENTION_ENV = "LOCALTINKER_DECODE_ATTENTION"  # "sdpa": one fused kernel per layer (opt-in until measured)
 JOINED_ENV = "LOCALTINKER_DECODE_JOINED"  # "1"/"0": joined weights always/never (default: see joined_by_default)
 _JOINED_SHARE = 1 / 16  # of the device's memory: one decoder's joined weights, at most
 logger = logging.getLogger("localtinker.engine")
@@ -242,6 +246,19 @@ def _mlp_projections(layer: torch.nn.Module) -> list[torch.nn.Module]:
     return [getattr(layer.mlp, name) for name in ("gate_proj", "up_proj", "down_proj")]
 
 
+@contextmanager
+def _sdpa_backend(efficient: bool) -> Iterator[None]:
+    """sdpa restricted to its memory-efficient kernel where asked (a CUDA decode step with
+    ``LOCALTINKER_DECODE_ATTENTION=sdpa``): on a Hopper card sdpa otherwise picks cuDNN, whose capture failed."""
+    if not efficient:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        yield
+
+
 def joined_by_default(device: torch.device, weight_bytes: int) -> bool:
     """Whether a decoder joins its adapter's A factors to copies of the base weights (:class:`_Joined`):
     ``LOCALTINKER_DECODE_JOINED=1``/``0`` decides; by default on CUDA where the copies (``weight_bytes``) take at
@@ -343,6 +360,9 @@ class StaticDecoder:
         self.compile_error = None if self.compiled else why_not  # why the pieces are not compiled
         self._pieces = pieces(self.compiled)
         self._choose = compiled_once(choose_in_step) if self.compiled else choose_in_step
+        # attention as sdpa (memory-efficient kernel on CUDA) with the hidden columns as a bias, instead of two
+        # products and a softmax: opt-in until measured on a GPU (docs/localtinker-gpu.md)
+        self.sdpa_attention = os.environ.get(ATTENTION_ENV) == "sdpa"
         self._layer_parts = self._parts()
 
     @property
@@ -576,15 +596,22 @@ class StaticDecoder:
         index = (self._slot_ids[:rows, None].expand(wide), self._kv_head_ids[None].expand(wide),
                  positions[:, None].expand(wide))
         pre_attention, attention_weights, post_attention = self._pieces
+        bias = None
+        if self.sdpa_attention:  # hidden columns as an additive bias, once per step: [rows, 1, 1, columns]
+            bias = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill(hidden, float("-inf"))
         x = self.embed(tokens)
-        for (norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down), keys, values in zip(
-                self._layer_parts, self.keys, self.values):
-            q = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, shape.heads, shape.kv_heads, shape.eps,
-                              shape.qk_eps, keys, values, index)
-            weights = attention_weights(torch.matmul(q, keys[:rows, :, :columns].transpose(-1, -2)), hidden,
-                                        shape.scale)
-            out = torch.matmul(weights, values[:rows, :, :columns])  # [rows, kv heads, group, dim]
-            x = post_attention(out.reshape(rows, shape.heads * shape.head_dim), x, o_proj, post_norm, gate_up, down,
-                               shape.eps)
+        with _sdpa_backend(self.sdpa_attention and self.device.type == "cuda"):
+            for (norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down), keys, values in zip(
+                    self._layer_parts, self.keys, self.values):
+                q = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, shape.heads, shape.kv_heads, shape.eps,
+                                  shape.qk_eps, keys, values, index)
+                keys, values = keys[:rows, :, :columns], values[:rows, :, :columns]
+                if bias is not None:
+                    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=shape.scale)
+                else:
+                    weights = attention_weights(torch.matmul(q, keys.transpose(-1, -2)), hidden, shape.scale)
+                    out = torch.matmul(weights, values)  # [rows, kv heads, group, dim]
+                x = post_attention(out.reshape(rows, shape.heads * shape.head_dim), x, o_proj, post_norm, gate_up,
+                                   down, shape.eps)
         # no final soft cap: such models are not taken
         return project(rms(x, self.norm.weight, shape.eps), self.head.parts()).float()

@@ -113,10 +113,17 @@ def test_bf16_sampler_matches_the_trainer(cuda_bf16):
 def test_decode_graphs_agree_with_the_trainer(tmp_path):
     """The static decode step replayed as CUDA graphs (the GPU's default sampler: prompts prefilled through its
     pieces, layer pieces compiled where Triton is, cache writes and tokens chosen inside the graph, the adapter's
-    A joined to the base weights, one step queued ahead), in float32, across row compaction and
-    cache growth, and again from the pooled decoder: its logprobs are the trainer's on the tokens it drew.
+    A joined to the base weights, one step queued ahead), in float32, across row compaction and cache growth, and
+    again from the pooled decoder: its logprobs are the trainer's on the tokens it drew.
     (Tokens are not compared between runs: a tiny random model's near-uniform distribution turns float32
     kernel noise, such as a bucket's graph recaptured with other compiled kernels, into a different draw.)"""
+    decoder = check_decode_graphs(tmp_path)
+    assert decoder.joined  # a small model: the adapter's A rows joined to the decoder's copy of the base weights
+    assert not decoder.sdpa_attention
+
+
+def check_decode_graphs(tmp_path):
+    """Samples through CUDA graphs, twice, and checks the logprobs against the trainer's; returns the decoder."""
     from localtinker.engine.static_decode import MIN_COLUMNS, pooled_decoders
 
     lengths = (4, 40, MIN_COLUMNS + 10)  # rows leave at different steps; the last grows the cache
@@ -130,7 +137,6 @@ def test_decode_graphs_agree_with_the_trainer(tmp_path):
     (decoder,) = pooled_decoders(engine._hosts[TINY].base.model)
     assert decoder.use_graphs and decoder.captured_graphs >= 1, decoder.graph_error
     assert decoder.compiled == (importlib.util.find_spec("triton") is not None), decoder.compile_error
-    assert decoder.joined  # a small model: the adapter's A rows joined to the decoder's copy of the base weights
     assert decoder.columns == 2 * MIN_COLUMNS  # graphs captured again after the cache grew
     again = engine.sample_batch([("graphs", spec) for spec in specs])  # the pooled decoder, its graphs kept
     for spec, result in zip(specs + specs, results + again):
@@ -140,6 +146,7 @@ def test_decode_graphs_agree_with_the_trainer(tmp_path):
             full = np.array(spec.prompt_tokens + tuple(sequence.tokens))
             trainer = _trainer(engine, "cuda:train:graphs", full)[len(spec.prompt_tokens) - 1 :]
             np.testing.assert_allclose(sequence.logprobs, trainer, atol=1e-4, rtol=0)
+    return decoder
 
 
 def test_running_out_of_gpu_memory_is_a_user_error_and_the_next_step_runs(tmp_path):
@@ -318,3 +325,11 @@ def check_graphed_training(engine: LocalEngine, replayed: bool = True) -> None:
                 assert grads_with[key] is None, key
                 continue
             assert float((grads_with[key] - expected).abs().max()) <= 1e-4 * float(expected.abs().max()) + 1e-7, key
+
+
+def test_decode_graphs_with_sdpa_attention_agree_with_the_trainer(tmp_path, monkeypatch):
+    """The opt-in decode attention (``LOCALTINKER_DECODE_ATTENTION=sdpa``: sdpa's memory-efficient kernel, the
+    hidden columns as a bias) captured in the graphs, as the default's check. Last in this file: a capture that
+    fails can leave the process's CUDA generator unusable (docs/localtinker-gpu.md)."""
+    monkeypatch.setenv("LOCALTINKER_DECODE_ATTENTION", "sdpa")
+    assert check_decode_graphs(tmp_path).sdpa_attention

@@ -253,6 +253,29 @@ def test_the_queued_step_chooses_as_the_host_does():
     assert decoder.positions[:4].tolist() == [1, 1, 1, 0]  # the free slot in the bucket stays put
 
 
+@torch.inference_mode()
+def test_sdpa_attention_decodes_as_the_two_products(monkeypatch):
+    """``LOCALTINKER_DECODE_ATTENTION=sdpa`` (opt-in: one memory-efficient kernel per layer on a GPU, the hidden
+    columns as an additive bias) computes a step's attention as the two products and the softmax do, for rows at
+    different positions, across steps (the CPU runs sdpa's own kernel on the same call)."""
+    model = AutoModelForCausalLM.from_pretrained(family_dir("qwen3"), dtype=torch.float32)
+    products = StaticDecoder(model)
+    monkeypatch.setenv("LOCALTINKER_DECODE_ATTENTION", "sdpa")
+    sdpa = StaticDecoder(model)
+    assert sdpa.sdpa_attention and not products.sdpa_attention
+    for decoder in (products, sdpa):
+        decoder.set_adapter(None)
+        decoder.reserve(5, 12)
+        decoder.tokens[:5] = torch.tensor([11, 12, 13, 14, 15])
+        decoder.positions[:5] = torch.tensor([0, 2, 4, 1, 3])
+    for step in range(4):
+        logits = [decoder.step(5, 4 + step) for decoder in (products, sdpa)]
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
+        for decoder in (products, sdpa):
+            decoder.tokens[:5] = logits[0].argmax(-1)
+            decoder.positions[:5] += 1
+
+
 def test_the_compiled_in_step_choice_draws_what_the_eager_one_draws():
     """On a GPU the in-step token choice is compiled with the layer pieces; the CPU's compiler checks here that it
     draws the same tokens with the same logprobs — sampled rows at several temperatures, a greedy row, and a row
