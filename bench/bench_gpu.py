@@ -530,22 +530,21 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
         chat_run = None if big else (lambda: our_step(engine, model_id, chat_data))
         compare_training_graphs(key, engine, name, lambda: our_step(engine, model_id, sft_data), chat_run, repeats,
                                 results, profile)
-    # a sampler of the adapter as it is now: the first one was superseded by the GRPO steps' snapshots since
-    late_sampler = f"sampler-{key}-late"
-    engine.create_ephemeral_sampler(late_sampler, model_id)
-    late_sample = lambda: our_sample(engine, late_sampler, prompts, new)  # noqa: E731
-    if key == "1b" and any(d.joined for d in pooled_decoders(engine._hosts[name].base.model)):
-        # the adapter's A factors as products of their own (a small model's decoder joins them by default)
-        compare_decode_variant(key, engine, name, late_sample, count * new, results, JOINED_ENV, "0", "separate_a")
-    if profile and key == "1b":
-        profile_ours(lambda: our_step(engine, model_id, sft_data), "SFT step 8 x 512")
-        profile_ours(lambda: our_sample(engine, late_sampler, prompts, 16), "sampling 64 x 16")
-        profiled_steps = [100]
-        profile_ours(lambda: our_grpo_step(engine, model_id, prompts[:grpo_prompts], grpo_samples, grpo_new,
-                                           profiled_steps), "GRPO step")
     if key == "1b":
-        # the opt-in decode attention (sdpa's memory-efficient kernel), last: a capture that fails can leave the
-        # process's CUDA generator unusable (docs/localtinker-gpu.md)
+        # 1B only: decode variants on fresh decoders, the profiles, and last the opt-in decode attention
+        # (sdpa's memory-efficient kernel): a capture that fails can leave the process's CUDA generator unusable
+        # (docs/localtinker-gpu.md). The first sampler was superseded by the GRPO steps' snapshots since.
+        engine.create_ephemeral_sampler(f"sampler-{key}-late", model_id)
+        late_sample = lambda tokens=new: our_sample(engine, f"sampler-{key}-late", prompts, tokens)  # noqa: E731
+        if any(d.joined for d in pooled_decoders(engine._hosts[name].base.model)):
+            # the adapter's A factors as products of their own (a small model's decoder joins them by default)
+            compare_decode_variant(key, engine, name, late_sample, count * new, results, JOINED_ENV, "0", "separate_a")
+        if profile:
+            profile_ours(lambda: our_step(engine, model_id, sft_data), "SFT step 8 x 512")
+            profile_ours(lambda: late_sample(16), "sampling 64 x 16")
+            profiled_steps = [100]
+            profile_ours(lambda: our_grpo_step(engine, model_id, prompts[:grpo_prompts], grpo_samples, grpo_new,
+                                               profiled_steps), "GRPO step")
         compare_decode_variant(key, engine, name, late_sample, count * new, results, ATTENTION_ENV, "sdpa",
                                "sdpa_attention")
     engine.unload_model(model_id)
