@@ -4,7 +4,7 @@
 # report (printed too). About 8 minutes on one H100 (tests: 11 of them took 120-140 s, most of it compiling the
 # training pieces for each tiny family, and 19 now; bench ~260 s before its CUDA-graph, shared-prompt and
 # decode-variant rows),
-# at most 300 s + 400 s: where one command may run 600 s, run PARTS=tests and PARTS=bench as two.
+# at most 300 s + 480 s: where one command may run 600 s, run PARTS=tests and PARTS=bench as two.
 #
 #   bash scripts/gpu_check.sh                 # report in ./gpu-report/ (or $OUT/ when set)
 #   WHEELS=dir bash scripts/gpu_check.sh      # install dir/*.whl first (default: .whl/ when present)
@@ -12,7 +12,7 @@
 #   PARTS=bench ...                           # only the bench (default: "tests bench")
 #   BENCH_ARGS=--profile ...                  # extra bench_gpu.py options
 #   TRACES=dir ...                            # profile the 1B calls, keep their traces in dir, summarise them
-#   TESTS_TIMEOUT=s BENCH_TIMEOUT=s ...       # each part's limit (default 300 s and 400 s)
+#   TESTS_TIMEOUT=s BENCH_TIMEOUT=s ...       # each part's limit (default 300 s and 480 s)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -46,7 +46,7 @@ fi
   echo "## bench/bench_gpu.py"
   TRACE_ARGS=()
   [[ -n "${TRACES:-}" ]] && TRACE_ARGS=(--profile --trace-dir "$TRACES")
-  timeout "${BENCH_TIMEOUT:-400}" "$PY" bench/bench_gpu.py --json "$REPORT_DIR/bench_gpu.json" "${TRACE_ARGS[@]}" ${BENCH_ARGS:-} 2>&1 | grep -vE "Warning|warnings.warn|^$|Loading weights"
+  timeout "${BENCH_TIMEOUT:-480}" "$PY" bench/bench_gpu.py --json "$REPORT_DIR/bench_gpu.json" "${TRACE_ARGS[@]}" ${BENCH_ARGS:-} 2>&1 | grep -vE "Warning|warnings.warn|^$|Loading weights"
   if [[ -n "${TRACES:-}" ]]; then
     echo
     echo "## where the profiled calls' time went (bench/trace_summary.py)"
