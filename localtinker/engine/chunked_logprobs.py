@@ -19,10 +19,9 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from localtinker.engine.decode_layer import allow_recompiles, compile_by_default
+from localtinker.engine.decode_layer import TRAIN_COMPILE_ENV, compile_by_default, compiled_once
 
 LOGIT_CHUNK_TOKENS = 2048
-COMPILE_ENV = "LOCALTINKER_TRAIN_COMPILE"  # "0": the log-softmax runs op by op (shared with packed_layers.py)
 
 
 def output_logits(hidden: torch.Tensor, lm_head: torch.nn.Module, softcap: float | None,
@@ -64,22 +63,15 @@ def logits_gradient(logits: torch.Tensor, targets: torch.Tensor, log_total: torc
 
 
 _EAGER = (target_logprobs, logits_gradient)
-_compiled: tuple[Callable, ...] = ()
 _compile_on: dict[torch.device, bool] = {}  # per device, decided at its first call
 
 
 def _functions(device: torch.device) -> tuple[Callable, ...]:
     """(target_logprobs, logits_gradient), compiled where the training pieces are (dynamic in the row count,
     once per process)."""
-    global _compiled
     if device not in _compile_on:
-        _compile_on[device] = compile_by_default(device, COMPILE_ENV)[0]
-    if not _compile_on[device]:
-        return _EAGER
-    if not _compiled:
-        allow_recompiles()
-        _compiled = tuple(torch.compile(fn, dynamic=True, fullgraph=True) for fn in _EAGER)
-    return _compiled
+        _compile_on[device] = compile_by_default(device, TRAIN_COMPILE_ENV)[0]
+    return tuple(compiled_once(fn, dynamic=True) for fn in _EAGER) if _compile_on[device] else _EAGER
 
 
 def _call(index: int, *args):

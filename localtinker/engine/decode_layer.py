@@ -30,6 +30,7 @@ from localtinker.engine.families import text_config
 Projection = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 MASKED = torch.finfo(torch.float32).min
 COMPILE_ENV = "LOCALTINKER_DECODE_COMPILE"  # "0" keeps a GPU's decode step uncompiled
+TRAIN_COMPILE_ENV = "LOCALTINKER_TRAIN_COMPILE"  # "0": the training pieces and the log-softmax run op by op
 
 
 @dataclass(frozen=True)
@@ -151,11 +152,11 @@ def pieces(compiled: bool) -> tuple[Callable, ...]:
     return tuple(compiled_once(fn) for fn in PIECES) if compiled else PIECES
 
 
-def compiled_once(fn: Callable) -> Callable:
-    """``fn`` through ``torch.compile`` (whole graph), once per process."""
+def compiled_once(fn: Callable, dynamic: bool | None = None) -> Callable:
+    """``fn`` through ``torch.compile`` (whole graph; ``dynamic`` as torch.compile takes it), once per process."""
     allow_recompiles()
     if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, fullgraph=True)
+        _compiled[fn] = torch.compile(fn, fullgraph=True, dynamic=dynamic)
     return _compiled[fn]
 
 

@@ -30,14 +30,13 @@ from typing import NamedTuple
 import torch
 
 from localtinker.engine.decode_layer import (
-    LayerShape, allow_recompiles, compile_by_default, post_attention, pre_attention,
+    TRAIN_COMPILE_ENV, LayerShape, allow_recompiles, compile_by_default, post_attention, pre_attention,
 )
 from localtinker.engine.packed_layout import PackedLayout
 from localtinker.engine.portable_attention import packed_causal_attention
 from localtinker.engine.static_decode import frozen_layer, shared_weights, static_decode_supported
 
 LAYERS_ENV = "LOCALTINKER_TRAIN_LAYERS"  # "0": the trainer runs transformers' layers
-COMPILE_ENV = "LOCALTINKER_TRAIN_COMPILE"  # "0": the pieces run uncompiled
 GRAPHS_ENV = "LOCALTINKER_TRAIN_GRAPHS"  # "1": the compiled pieces replay as CUDA graphs (see PackedLayers.graphs)
 _MIN_BUCKET = 256  # packed tokens of the smallest graph bucket
 _KEPT = "_localtinker_packed_layers"  # on the causal LM: its PackedLayers (False: not taken), decided once
@@ -180,7 +179,7 @@ class PackedLayers:
         self.layers = list(decoder.layers)
         self.shape = LayerShape.of(model)
         self.device = self.embed.weight.device
-        by_default, why_not = compile_by_default(self.device, COMPILE_ENV)
+        by_default, why_not = compile_by_default(self.device, TRAIN_COMPILE_ENV)
         self.compiled = by_default if compiled is None else compiled
         self.compile_error: str | None = None if self.compiled else why_not
         # CUDA graphs of the compiled pieces: a step's host time is then a replay per piece rather than the

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localtinker.engine import chunked_logprobs
+from localtinker.engine import chunked_logprobs, decode_layer
 from localtinker.engine.chunked_logprobs import chunked_token_logprobs
 
 ROWS, WIDTH, VOCAB = 23, 16, 301
@@ -97,11 +97,11 @@ def test_compiled_functions_compute_what_the_eager_ones_do(monkeypatch):
     compiler traces the same functions here, with a soft cap and a temperature, over two row counts."""
     cpu = torch.device("cpu")
     monkeypatch.setitem(chunked_logprobs._compile_on, cpu, True)
-    monkeypatch.setattr(chunked_logprobs, "_compiled", ())
     case = _case(torch.float32, seed=5)
     expected = _values_and_grads(_plain, *case, 2.5, 1.3)
     ours = _values_and_grads(_ours(9), *case, 2.5, 1.3)  # chunks of 9, 9 and 5 rows
-    assert chunked_logprobs._compiled and chunked_logprobs._compile_on[cpu], "the compiled functions ran"
+    assert all(fn in decode_layer._compiled for fn in chunked_logprobs._EAGER), "the compiled functions ran"
+    assert chunked_logprobs._compile_on[cpu]
     for a, b in zip(ours, expected):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
@@ -113,7 +113,8 @@ def test_a_compiler_failure_falls_back_to_the_eager_functions(monkeypatch):
         raise RuntimeError("no compiler here")
 
     monkeypatch.setitem(chunked_logprobs._compile_on, cpu, True)
-    monkeypatch.setattr(chunked_logprobs, "_compiled", (broken, broken))
+    for fn in chunked_logprobs._EAGER:
+        monkeypatch.setitem(decode_layer._compiled, fn, broken)
     case = _case(torch.float32, seed=6)
     expected = _values_and_grads(_plain, *case, None, 1.0)
     with pytest.warns(RuntimeWarning, match="compiling the log-softmax failed"):
