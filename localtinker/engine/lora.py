@@ -20,6 +20,7 @@ import torch
 
 from localtinker.engine import host_transfer
 from localtinker.engine.api import EngineUserError, LoraSpec
+from localtinker.engine.expert_lora import ExpertAdapters, adapters_of, fused_experts, unsupported
 from localtinker.engine.merged_lora import forget_layers, lora_layers, merged_output, unmerge
 
 # Llama-family projection names (SmolLM2, Llama, Qwen2/3, Mistral all use them).
@@ -59,13 +60,16 @@ class AdapterHost:
         self._active: str | None = None
         self._enabled = True
         self._layouts: dict[str, tuple[int, bool, bool, bool]] = {}  # adapter -> (rank, unembed, mlp, attn)
+        self._experts: dict[str, ExpertAdapters] = {}  # module path -> the fused experts' adapters (expert_lora.py)
+        self._in_peft: set[str] = set()  # adapters with peft layers (one on fused experts alone has none)
 
     def add_adapter(self, spec: LoraSpec, seed: int | None) -> str:
         """Creates a freshly initialised adapter (A random from ``seed``, B zero); returns its name."""
         from peft import LoraConfig, get_peft_model
 
         validate_lora_spec(spec)
-        _check_adaptable(self.model, spec)
+        fused = fused_experts(self.model)
+        experts = _adaptable(fused) if spec.train_mlp else []
         config = LoraConfig(
             r=spec.rank,
             lora_alpha=LORA_ALPHA,
@@ -75,15 +79,19 @@ class AdapterHost:
         )
         name = f"adapter{self._counter}"
         self._counter += 1
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), _peft_targets_as_named(bool(fused)):
             # peft warns that lm_head is tied to the embeddings; the LoRA delta is deliberately lm_head-only.
             warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
             warnings.filterwarnings("ignore", category=FutureWarning)
             torch.manual_seed(seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item()))
-            if self._peft is None:
-                self._peft = get_peft_model(self.model, config, adapter_name=name)
-            else:
-                self._peft.add_adapter(name, config)
+            if _named_in(self.model, config.target_modules):
+                if self._peft is None:
+                    self._peft = get_peft_model(self.model, config, adapter_name=name)
+                else:
+                    self._peft.add_adapter(name, config)
+                self._in_peft.add(name)
+            for path, module in experts:
+                self._experts.setdefault(path, adapters_of(module)).add(name, spec.rank, LORA_ALPHA / spec.rank)
         install_fused_forward(self.model)
         if not self.parameters(name):
             self.delete_adapter(name)
@@ -109,9 +117,12 @@ class AdapterHost:
             layer.__dict__.get(_CAST, {}).pop(name, None)
 
     def delete_adapter(self, name: str) -> None:
-        if self._peft is not None and name in self._peft.peft_config:
+        for experts in self._experts.values():
+            experts.delete(name)
+        self._layouts.pop(name, None)
+        if name in self._in_peft:
             self.forget_derived(name)
-            self._layouts.pop(name, None)
+            self._in_peft.discard(name)
             if len(self._peft.peft_config) == 1:
                 # peft refuses to delete the last adapter; leave it (it is never activated again).
                 return
@@ -128,6 +139,8 @@ class AdapterHost:
                 clean = path.replace(".base_layer", "")
                 params[f"{clean}.lora_A"] = lora_a[name].weight
                 params[f"{clean}.lora_B"] = module.lora_B[name].weight
+        for path, experts in self._experts.items():
+            params.update({f"{path}.{key}": tensor for key, tensor in experts.factors.get(name, {}).items()})
         return params
 
     def import_weights(self, name: str, weights: dict[str, torch.Tensor]) -> None:
@@ -151,7 +164,9 @@ class AdapterHost:
     @contextmanager
     def activated(self, name: str | None) -> Iterator[None]:
         """Runs the block with adapter ``name`` active, or the bare base model when ``name`` is None."""
-        if name is None:
+        for experts in self._experts.values():
+            experts.activate(name)
+        if name not in self._in_peft:  # None, or an adapter on fused experts alone: peft's layers off
             if self._peft is not None and self._enabled:
                 self._peft.base_model.disable_adapter_layers()
                 self._enabled = False
@@ -165,20 +180,41 @@ class AdapterHost:
         yield
 
 
-def _check_adaptable(model: torch.nn.Module, spec: LoraSpec) -> None:
-    """Mixture-of-experts models (Qwen3-MoE in transformers 5) keep their experts as fused 3-D parameters, not
-    linears: peft wraps them in nested parameter wrappers that this engine's flat adapter keys and fused
-    forward do not cover, so MLP LoRA there is refused rather than silently half-applied."""
-    if not spec.train_mlp:
+def _named_in(model: torch.nn.Module, targets: Any) -> bool:
+    """Whether any module of ``model`` has one of the ``targets`` names (peft's match of a list of names)."""
+    names = set(targets)
+    return any(path.rpartition(".")[2] in names for path, _ in model.named_modules())
+
+
+def _adaptable(experts: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Module]]:
+    """The fused experts modules MLP LoRA adapts (expert_lora.py), or a clear error naming one it cannot."""
+    for path, module in experts:
+        reason = unsupported(module)
+        if reason:
+            raise EngineUserError(
+                f"this base model's MLP experts ({path}, {type(module).__name__}) take no LoRA here: {reason}. "
+                "Create the training client with LoraConfig(train_mlp=False) to train attention (and the "
+                "unembedding) only."
+            )
+    return experts
+
+
+@contextmanager
+def _peft_targets_as_named(enabled: bool) -> Iterator[None]:
+    """Keeps peft on transformers 5 from turning the MLP target names into LoRA on the fused experts' 3-D
+    parameters (its conversion for adapters of transformers 4 MoE models): those are expert_lora.py's here, and
+    the names then reach only the linears they name (a dense layer's or a shared expert's MLP)."""
+    if not enabled:
+        yield
         return
-    fused = sorted({name.split("layers.")[-1].split(".", 1)[-1]  # e.g. mlp.experts.gate_up_proj
-                    for name, param in model.named_parameters() if param.dim() == 3})
-    if fused:
-        raise EngineUserError(
-            f"this base model's MLP experts are fused 3-D parameters ({', '.join(fused)}), which localtinker's LoRA "
-            "cannot adapt; create the training client with LoraConfig(train_mlp=False) to train attention (and the "
-            "unembedding) only."
-        )
+    from peft.utils import transformers_weight_conversion as conversion
+
+    convert = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = convert
 
 
 # Set to False to run peft's own LoRA forward (bench/profiling comparisons).

@@ -34,8 +34,8 @@ def cuda_bf16(tmp_path_factory) -> LocalEngine:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_families_in_float32_on_the_gpu(cuda_float32, family):
-    check_family(cuda_float32, family, tolerance=1e-4)
+def test_families_in_float32_on_the_gpu(cuda_float32, family, tmp_path):
+    check_family(cuda_float32, family, 1e-4, tmp_path)
 
 
 def _random_b(engine: LocalEngine, model_id: str) -> None:

@@ -1,23 +1,25 @@
 """The model families Tinker users train, each a tiny random model of its class (families.py): the trainer's
 logprobs and LoRA gradients equal transformers + peft's own forward (``ForCausalLM.forward``, soft caps and
 sliding windows included), and sampler logprobs equal the trainer's, on the CPU's default path and on the
-portable path (the CUDA path's code, run here on the CPU), with either of its samplers."""
+portable path (the CUDA path's code, run here on the CPU), with either of its samplers. Qwen3-MoE's experts
+carry LoRA too (expert_lora.py): its reference is peft's own ``target_parameters`` LoRA, loaded by
+``PeftModel.from_pretrained`` from the adapter the engine exports."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from localtinker.engine.api import DatumArrays, EngineUserError, LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.lora import LORA_ALPHA, target_module_names
+from localtinker.engine.peft_export import peft_state_dict, write_peft_adapter
 from tests.localtinker.engine.families import FAMILIES, family_dir
 
 LORA = LoraSpec(rank=4, seed=0)
-MOE_LORA = LoraSpec(rank=4, seed=0, train_mlp=False)  # fused experts take no LoRA (lora.py)
 TOLERANCE = 1e-5  # float32
 
 
@@ -44,8 +46,11 @@ def _random_lora(engine: LocalEngine, model_id: str) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _reference(family: str, lora: LoraSpec, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+def _reference(family: str, lora: LoraSpec, weights: dict[str, torch.Tensor], tmp_path) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32)
+    if any(tensor.dim() == 3 for tensor in weights.values()):  # fused experts: peft's target_parameters LoRA
+        write_peft_adapter(tmp_path, weights, str(family_dir(family)), lora)
+        return PeftModel.from_pretrained(model, tmp_path, is_trainable=True)
     peft_model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=LORA_ALPHA, target_modules=target_module_names(lora)))
     named = dict(peft_model.named_parameters())
     with torch.no_grad():
@@ -55,22 +60,34 @@ def _reference(family: str, lora: LoraSpec, weights: dict[str, torch.Tensor]) ->
     return peft_model
 
 
+def _peft_grads(grads: dict[str, torch.Tensor], reference: torch.nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(key, ours, peft's) per PEFT tensor. Where the engine's gate and up LoRAs go as one block-diagonal LoRA,
+    peft's off-diagonal entries (zeros the engine does not train) are left out of the comparison."""
+    named = dict(reference.named_parameters())
+    trained = peft_state_dict({key: torch.ones_like(grad) for key, grad in grads.items()})
+    pairs = []
+    for key, ours in peft_state_dict({key: grad.cpu() for key, grad in grads.items()}).items():
+        theirs = named[key.removesuffix(".weight") + ".default.weight"].grad
+        pairs.append((key, ours, theirs * (trained[key] != 0)))
+    return pairs
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_trainer_and_sampler_equal_the_models_own_forward(engine, family):
-    check_family(engine, family, TOLERANCE)
+def test_trainer_and_sampler_equal_the_models_own_forward(engine, family, tmp_path):
+    check_family(engine, family, TOLERANCE, tmp_path)
 
 
-def check_family(engine: LocalEngine, family: str, tolerance: float) -> None:
+def check_family(engine: LocalEngine, family: str, tolerance: float, tmp_path) -> None:
     """Trainer logprobs and LoRA gradients against transformers + peft on the CPU in float32, and the sampler's
     logprobs (and prompt logprobs) against the trainer's, within ``tolerance`` (gradients 10×)."""
     model_id = f"families:train:{family}"
     directory = str(family_dir(family))
-    lora = MOE_LORA if family == "qwen3_moe" else LORA
+    lora = LORA
     info = engine.create_model(model_id, directory, lora)
     config = AutoConfig.from_pretrained(directory)
     assert (info.arch, info.max_context_length) == (config.model_type, config.max_position_embeddings)
     weights = _random_lora(engine, model_id)
-    reference = _reference(family, lora, weights)
+    reference = _reference(family, lora, weights, tmp_path)
     rng = np.random.default_rng(0)
     sequences = [rng.integers(0, 49152, size=n) for n in (6, 20, 31)]  # past the sliding windows (8)
     result = engine.forward_backward(model_id, [_datum(s) for s in sequences], "cross_entropy", None, False)
@@ -81,11 +98,8 @@ def check_family(engine: LocalEngine, family: str, tolerance: float) -> None:
         np.testing.assert_allclose(output["logprobs"], expected.detach().numpy(), atol=tolerance, rtol=0)
         total = total - expected.sum()
     total.backward()
-    named = dict(reference.named_parameters())
-    for key, grad in engine.lora_grads(model_id).items():
-        module, _, kind = key.rpartition(".")
-        expected_grad = named[f"base_model.model.{module}.{kind}.default.weight"].grad
-        torch.testing.assert_close(grad.cpu(), expected_grad, atol=10 * tolerance, rtol=10 * tolerance, msg=key)
+    for key, grad, expected_grad in _peft_grads(engine.lora_grads(model_id), reference):
+        torch.testing.assert_close(grad, expected_grad, atol=10 * tolerance, rtol=10 * tolerance, msg=key)
 
     path = engine.save_sampler_weights(model_id, "families")
     engine.create_sampler(f"families-{family}", None, path)
@@ -114,7 +128,15 @@ def test_gemma_soft_cap_bounds_the_logits(engine):
     assert logprobs.loss_fn_outputs[0]["logprobs"].min() >= -2 * cap - np.log(49152) - 1e-4
 
 
-def test_moe_experts_are_refused_by_name(engine):
-    """Qwen3-MoE with MLP LoRA: a clear error naming the fused expert parameters and the way out."""
-    with pytest.raises(EngineUserError, match=r"experts\.gate_up_proj.*train_mlp=False"):
-        engine.create_model("families:train:moe", str(family_dir("qwen3_moe")), LORA)
+def test_moe_experts_of_another_layout_are_refused_by_name(engine):
+    """Experts whose layout expert_lora.py does not adapt (here: with biases): a clear error naming the module,
+    what is different and the way out; attention-only LoRA still trains on that model."""
+    model = AutoModelForCausalLM.from_pretrained(family_dir("qwen3_moe"), dtype=torch.float32)
+    for layer in model.model.layers:
+        layer.mlp.experts.has_bias = True
+    engine.add_base_model("families/moe-biased", model)
+    with pytest.raises(EngineUserError, match=r"model\.layers\.0\.mlp\.experts, Qwen3MoeExperts\).*biases.*train_mlp=False"):
+        engine.create_model("families:train:moe-biased", "families/moe-biased", LORA)
+    engine.create_model("families:train:moe-attention", "families/moe-biased", LoraSpec(rank=4, seed=0, train_mlp=False))
+    assert not any(tensor.dim() == 3 for tensor in engine.lora_weights("families:train:moe-attention").values())
+    engine.unload_model("families:train:moe-attention")

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import tinker
-import torch
 from tinker import types
 
 from localtinker.engine.models import tiny_random_dir
@@ -60,6 +59,36 @@ def test_export_with_merged_model_and_gguf_matches_the_server(clients, trained, 
     assert "recipe: `sft`" in (out / "README.md").read_text()
     rest = clients[1]
     assert not [c for c in rest.list_user_checkpoints().result().checkpoints if c.checkpoint_type == "external"]
+
+
+def test_moe_experts_export_as_a_peft_adapter_and_a_merged_model(clients, tmp_path: Path) -> None:
+    """A Qwen3-MoE trained with LoRA on its fused experts (localtinker's expert_lora.py): the adapter loads with
+    peft (its target_parameters) and the merged model with transformers alone, both matching the server."""
+    from safetensors import safe_open
+
+    from tests.localtinker.engine.families import family_dir
+
+    base = str(family_dir("qwen3_moe"))
+    trainer = clients[0].create_lora_training_client(base_model=base, rank=4, seed=3).result()
+    datum = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+                        loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)})
+    for _ in range(3):
+        trainer.forward_backward([datum], "cross_entropy")
+        trainer.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    out = tmp_path / "export"
+    report = export_checkpoint(*clients, trainer.save_state("moe-export").result().path, out, base, base, merged=True)
+    assert report.adapter_max_abs_logprob_diff <= ADAPTER_TOLERANCE
+    assert report.merged_max_abs_logprob_diff <= MERGED_TOLERANCE and report.within_tolerance
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    with safe_open(str(out / "adapter" / "adapter_model.safetensors"), framework="pt") as saved:
+        expert_b = saved.get_tensor("base_model.model.model.layers.0.mlp.experts.lora_B.weight")
+    assert expert_b.abs().max() > 0  # the experts trained: their merged weights differ from the base's
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").model.layers[0].mlp.experts.down_proj
+    original = AutoModelForCausalLM.from_pretrained(base).model.layers[0].mlp.experts.down_proj
+    assert (merged - original).abs().max() > 0
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,180 @@
+"""LoRA on a mixture-of-experts layer's fused experts (Qwen3-MoE, Qwen2-MoE, Mixtral... in transformers 5).
+
+transformers 5 keeps an MoE layer's experts as two 3-D parameters, ``gate_up_proj`` [experts, 2·inter, hidden]
+(gate rows, then up rows) and ``down_proj`` [experts, hidden, inter], not as linears, so peft's linear LoRA
+does not reach them. Here each adapter gives every expert its own rank-r LoRA on each of its three projections,
+gate, up and down — what Tinker trains on an MoE's experts (its adapters carry them per expert), and what
+peft's adapters of transformers 4 experts were — with A [experts, r, in] and B [experts, out, r]. The
+experts' forward adds each expert's low-rank products on the tokens routed to it: gate and up as one product
+with A stacked [A_gate; A_up] and B block-diagonal (:func:`gate_up_factors`, the form peft loads such an
+adapter in on transformers 5: one LoRA of rank 2r on ``gate_up_proj``; peft_export.py writes it so).
+
+Not peft's own wrapper for 3-D parameters: it folds s·B·A into a copy of every expert's weight at each forward
+(a tensor the size of the parameter per call, for every expert whether tokens reach it or not), and it
+requires all adapters of a model to target the same parameters (here one client may train the experts and
+another not). lora.py keeps peft from converting the MLP target names into such wrappers.
+
+The factors are float32 masters, as peft keeps the linears' (the products run in the weights' dtype). They are
+not submodules of the model: an adapter's tensors reach the engine through :class:`ExpertAdapters` (lora.py's
+``AdapterHost.parameters``), and walks over the model's modules (peft's, merged_lora's) do not see them.
+Without an active adapter the experts run transformers' own forward.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # in the order the experts modules register them
+PROJECTIONS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}  # adapted -> holder
+_FORWARD_ARGUMENTS = ["hidden_states", "top_k_index", "top_k_weights"]
+_FLAGS = {"has_bias": (False, "biases"), "is_transposed": (False, "transposed weights"),
+          "is_concatenated": (True, "interleaved gate and up rows"), "has_gate": (True, "no gate"),
+          "has_post_expert_norm": (False, "a norm after each expert")}
+_KEPT = "_localtinker_expert_adapters"  # on an experts module: its ExpertAdapters
+
+
+def fused_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(path, module) of every module of ``model`` that holds 3-D (fused expert) parameters itself."""
+    return [(path, module) for path, module in model.named_modules()
+            if any(p.dim() == 3 for p in module.parameters(recurse=False))]
+
+
+def unsupported(module: torch.nn.Module) -> str | None:
+    """Why this experts module is not the layout :class:`ExpertAdapters` adapts, or None when it is."""
+    names = [name for name, _ in module.named_parameters(recurse=False)]
+    if names != list(EXPERT_PARAMETERS):
+        return f"its parameters are {names}, not {list(EXPERT_PARAMETERS)}"
+    for flag, (wanted, what) in _FLAGS.items():
+        if getattr(module, flag, wanted) != wanted:
+            return f"it has {what}"
+    gate_up, down = module.gate_up_proj, module.down_proj
+    if not (gate_up.dim() == down.dim() == 3 and gate_up.shape[0] == down.shape[0]
+            and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1]):
+        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not [E, 2I, H] and [E, H, I]"
+    forward = inspect.signature(type(module).forward)  # through functools.wraps to the class's own forward
+    if list(forward.parameters)[1:] != _FORWARD_ARGUMENTS or not hasattr(module, "act_fn"):
+        return f"its forward takes {list(forward.parameters)[1:]}, not {_FORWARD_ARGUMENTS} with an act_fn"
+    return None
+
+
+def adapters_of(module: torch.nn.Module) -> ExpertAdapters:
+    """The :class:`ExpertAdapters` of an experts module, installed on first use."""
+    kept = module.__dict__.get(_KEPT)
+    if kept is None:
+        kept = module.__dict__[_KEPT] = ExpertAdapters(module)
+    return kept
+
+
+class ExpertAdapters:
+    """Every adapter's factors on one experts module, and which adapter its forward applies."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.factors: dict[str, dict[str, torch.nn.Parameter]] = {}  # adapter -> {"gate_proj.lora_A": [E, r, H], ...}
+        self.scaling: dict[str, float] = {}
+        self.active: str | None = None
+        self._cast: dict[str, tuple] = {}  # adapter -> (key, {parameter: (A, (s·B)ᵀ)}) rounded, without autograd
+        module.forward = self.forward  # the instance's: nn.Module.__call__ looks it up there first
+
+    def add(self, name: str, rank: int, scaling: float) -> None:
+        """A fresh adapter: A uniform in ±1/√in (peft's default for its linears' A), B zero (a no-op until
+        trained). Draws from torch's global generator, which the caller seeds."""
+        factors = {}
+        for projection, holder in PROJECTIONS.items():
+            weight = getattr(self.module, holder)
+            experts, out_features, in_features = weight.shape
+            if holder == "gate_up_proj":
+                out_features //= 2
+            bound = 1 / math.sqrt(in_features)
+            a = torch.empty((experts, rank, in_features), dtype=torch.float32).uniform_(-bound, bound)
+            b = torch.zeros((experts, out_features, rank), dtype=torch.float32)
+            factors[f"{projection}.lora_A"] = torch.nn.Parameter(a.to(weight.device))
+            factors[f"{projection}.lora_B"] = torch.nn.Parameter(b.to(weight.device))
+        self.factors[name] = factors
+        self.scaling[name] = scaling
+
+    def delete(self, name: str) -> None:
+        self.factors.pop(name, None)
+        self.scaling.pop(name, None)
+        self._cast.pop(name, None)
+        if self.active == name:
+            self.active = None
+
+    def activate(self, name: str | None) -> None:
+        self.active = name if name in self.factors else None
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The experts' output for each token: Σ over its top-k experts of weight × expert(x), each of the
+        expert's two products with the active adapter's low-rank terms added. The (token, choice) pairs are grouped by
+        expert (one host sync for the group sizes); a choice of an expert id past the last (expert
+        parallelism's sentinel) contributes nothing."""
+        name = self.active
+        module = self.module
+        if name is None:
+            return type(module).forward(module, hidden_states, top_k_index, top_k_weights)
+        tokens, top_k = top_k_index.shape
+        experts = module.gate_up_proj.shape[0]
+        expert_ids = top_k_index.reshape(-1)
+        order = torch.argsort(expert_ids, stable=True)
+        counts = torch.bincount(expert_ids, minlength=experts)[:experts].tolist()
+        factors = self._factors(name, hidden_states)
+        x = hidden_states[order // top_k]
+        gate, up = self._grouped(x, module.gate_up_proj, factors["gate_up_proj"], counts).chunk(2, dim=-1)
+        out = self._grouped(module.act_fn(gate) * up, module.down_proj, factors["down_proj"], counts)
+        out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
+        by_choice = out.new_zeros(out.shape).index_copy(0, order, out)
+        return by_choice.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    @staticmethod
+    def _grouped(x: torch.Tensor, weight: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor],
+                 counts: list[int]) -> torch.Tensor:
+        """``x`` (rows grouped by expert, ``counts`` each) through each expert's ``weight`` and low-rank terms;
+        rows past the groups (sentinels) come out zero."""
+        a, scaled_b_t = factors
+        pieces, start = [], 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = x[start : start + count]
+                pieces.append(torch.addmm(F.linear(rows, weight[expert]), F.linear(rows, a[expert]), scaled_b_t[expert]))
+                start += count
+        if start < x.shape[0] or not pieces:
+            pieces.append(x.new_zeros((x.shape[0] - start, weight.shape[1])))
+        return torch.cat(pieces)
+
+    def _factors(self, name: str, x: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per parameter (A, (s·B)ᵀ) as the products take them. Under autocast, from the float32 masters
+        (autocast rounds each product's operands); otherwise rounded to the weights' dtype, per call with
+        autograd (the gradients reach the float32 masters through the casts), kept until the factors change
+        without it."""
+        factors, scaling = self.factors[name], self.scaling[name]
+        compute = None if torch.is_autocast_enabled(x.device.type) else self.module.gate_up_proj.dtype
+        if compute is None or torch.is_grad_enabled():
+            return _product_factors(factors, scaling, compute)
+        key = (compute, scaling, *((t.data_ptr(), t._version) for t in factors.values()))
+        cached = self._cast.get(name)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = self._cast[name] = (key, _product_factors(factors, scaling, compute))
+        return cached[1]
+
+
+def gate_up_factors(factors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up LoRAs (rank r each) as one LoRA of rank 2r on ``gate_up_proj``: A [E, 2r, H] stacked
+    gate then up, B [E, 2I, 2r] block-diagonal (gate rows take the gate's rank, up rows the up's)."""
+    b_gate, b_up = factors["gate_proj.lora_B"], factors["up_proj.lora_B"]
+    a = torch.cat((factors["gate_proj.lora_A"], factors["up_proj.lora_A"]), dim=1)
+    b = torch.cat((torch.cat((b_gate, torch.zeros_like(b_gate)), dim=2), torch.cat((torch.zeros_like(b_up), b_up), dim=2)),
+                  dim=1)
+    return a, b
+
+
+def _product_factors(factors: dict[str, torch.Tensor], scaling: float,
+                     compute: torch.dtype | None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{parameter: (A, (s·B)ᵀ)}, in ``compute`` (None: as they are)."""
+    pairs = {"gate_up_proj": gate_up_factors(factors), "down_proj": (factors["down_proj.lora_A"], factors["down_proj.lora_B"])}
+    return {parameter: (a.to(compute or a.dtype), (b * scaling).transpose(1, 2).contiguous().to(compute or b.dtype))
+            for parameter, (a, b) in pairs.items()}

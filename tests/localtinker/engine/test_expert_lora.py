@@ -1,0 +1,172 @@
+"""LoRA on fused MoE experts (expert_lora.py): what the family test (peft's own target_parameters LoRA as the
+reference) does not reach — bf16 experts with float32 factors, adapters side by side on one experts
+module, rounded factors kept only until they change, expert-parallel sentinels, and training that learns and
+round-trips through a checkpoint."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+from localtinker.engine.api import AdamSpec, DatumArrays, LoraSpec
+from localtinker.engine.engine import LocalEngine
+from localtinker.engine.expert_lora import adapters_of, unsupported
+from tests.localtinker.engine.families import family_dir
+
+EXPERTS, HIDDEN, INTER, TOP_K = 4, 64, 32, 2
+
+
+def _experts(dtype: torch.dtype = torch.float32) -> Qwen3MoeExperts:
+    config = Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS, num_experts_per_tok=TOP_K)
+    module = Qwen3MoeExperts(config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    return module.to(dtype)
+
+
+def _routing(tokens: int = 12, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, HIDDEN, generator=generator)
+    index = torch.stack([torch.randperm(EXPERTS, generator=generator)[:TOP_K] for _ in range(tokens)])
+    weights = torch.rand(tokens, TOP_K, generator=generator).softmax(-1)
+    return hidden, index, weights
+
+
+def _reference(module: Qwen3MoeExperts, factors: dict[str, torch.Tensor], scaling: float, hidden, index, weights):
+    """Each expert's weights with its LoRA deltas folded in, in float64, applied token by token."""
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    gate_up, down = module.gate_up_proj.double(), module.down_proj.double()
+    delta = {p: scaling * factors[f"{p}.lora_B"].double() @ factors[f"{p}.lora_A"].double()
+             for p in ("gate_proj", "up_proj", "down_proj")}
+    for token in range(hidden.shape[0]):
+        x = hidden[token].double()
+        for choice in range(index.shape[1]):
+            e = int(index[token, choice])
+            w_gate, w_up = gate_up[e].chunk(2, dim=0)
+            gate, up = (w_gate + delta["gate_proj"][e]) @ x, (w_up + delta["up_proj"][e]) @ x
+            y = (down[e] + delta["down_proj"][e]) @ (torch.nn.functional.silu(gate) * up)
+            out[token] += weights[token, choice].double() * y
+    return out
+
+
+def _randomize(factors: dict[str, torch.Tensor], seed: int, scale: float = 0.1) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in factors.values():
+            tensor.copy_(torch.randn(tensor.shape, generator=generator) * scale)
+
+
+def test_adapters_side_by_side_each_compute_their_own_experts():
+    module = _experts()
+    adapters = adapters_of(module)
+    adapters.add("a", rank=4, scaling=8.0)
+    adapters.add("b", rank=2, scaling=16.0)
+    _randomize(adapters.factors["a"], 2)
+    _randomize(adapters.factors["b"], 3)
+    hidden, index, weights = _routing()
+    for name in ("a", "b"):
+        adapters.activate(name)
+        expected = _reference(module, adapters.factors[name], adapters.scaling[name], hidden, index, weights)
+        torch.testing.assert_close(module(hidden, index, weights).double(), expected, atol=1e-6, rtol=1e-5)
+    adapters.activate(None)
+    base = _reference(module, {k: torch.zeros_like(v) for k, v in adapters.factors["a"].items()}, 0.0, hidden, index, weights)
+    torch.testing.assert_close(module(hidden, index, weights).double(), base, atol=1e-6, rtol=1e-5)  # transformers' own
+    adapters.delete("a")
+    adapters.activate("a")  # gone: the base forward
+    torch.testing.assert_close(module(hidden, index, weights).double(), base, atol=1e-6, rtol=1e-5)
+    adapters.activate("b")
+    expected = _reference(module, adapters.factors["b"], 16.0, hidden, index, weights)
+    torch.testing.assert_close(module(hidden, index, weights).double(), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_experts_take_float32_masters_and_train_them():
+    """With bf16 experts the products run in bf16 (the factors rounded per call) and the gradients reach the
+    float32 master factors."""
+    module = _experts(torch.bfloat16)
+    adapters = adapters_of(module)
+    adapters.add("a", rank=4, scaling=8.0)
+    _randomize(adapters.factors["a"], 4)
+    adapters.activate("a")
+    hidden, index, weights = _routing(32)
+    hidden = hidden.to(torch.bfloat16)
+    out = module(hidden, index, weights)
+    assert out.dtype == torch.bfloat16
+    expected = _reference(module, adapters.factors["a"], 8.0, hidden, index, weights)
+    assert (out.double() - expected).norm() < 0.02 * expected.norm()
+    out.float().square().sum().backward()
+    for key, factor in adapters.factors["a"].items():
+        assert factor.dtype == torch.float32 and factor.grad is not None and factor.grad.abs().max() > 0, key
+
+
+def test_rounded_factors_follow_an_update_in_place():
+    """Without autograd the factors rounded to bf16 are kept; an in-place update (the optimizer's) is seen."""
+    module = _experts(torch.bfloat16)
+    adapters = adapters_of(module)
+    adapters.add("a", rank=4, scaling=8.0)
+    _randomize(adapters.factors["a"], 5)
+    adapters.activate("a")
+    hidden, index, weights = _routing()
+    hidden = hidden.to(torch.bfloat16)
+    with torch.no_grad():
+        before = module(hidden, index, weights)
+        assert torch.equal(module(hidden, index, weights), before)
+        adapters.factors["a"]["up_proj.lora_B"].add_(0.5)
+        after = module(hidden, index, weights)
+    assert not torch.equal(after, before)
+    torch.testing.assert_close(after, module(hidden, index, weights))  # with autograd: cast per call
+
+
+def test_a_sentinel_choice_adds_nothing():
+    """Expert parallelism marks a choice of another rank's expert with the id past the last: it adds nothing,
+    as in transformers' forward."""
+    module = _experts()
+    adapters = adapters_of(module)
+    adapters.add("a", rank=4, scaling=8.0)
+    _randomize(adapters.factors["a"], 6)
+    adapters.activate("a")
+    hidden, index, weights = _routing()
+    sentinel = index.clone()
+    sentinel[::3, 1] = EXPERTS
+    dropped = weights.clone()
+    dropped[::3, 1] = 0.0
+    torch.testing.assert_close(module(hidden, sentinel, weights), module(hidden, index, dropped))
+
+
+def test_layouts_it_does_not_adapt_are_named():
+    module = _experts()
+    assert unsupported(module) is None
+    module.is_transposed = True
+    assert unsupported(module) == "it has transposed weights"
+    plain = torch.nn.Module()
+    plain.gate_up_proj = torch.nn.Parameter(torch.zeros(2, 8, 4))
+    assert "parameters are ['gate_up_proj']" in unsupported(plain)
+
+
+@pytest.mark.parametrize("portable", [None, True])
+def test_experts_alone_learn_and_round_trip_through_a_checkpoint(tmp_path, portable):
+    """A Qwen3-MoE trained with LoRA on its experts only (no attention, no unembedding): the loss falls, every
+    expert factor trains, and a checkpoint's state gives the same logprobs in a new training client."""
+    engine = LocalEngine(tmp_path, dtype="float32", portable=portable)
+    lora = LoraSpec(rank=4, seed=0, train_attn=False, train_unembed=False)
+    engine.create_model("moe", str(family_dir("qwen3_moe")), lora)
+    assert {key.rsplit(".", 2)[-2] for key in engine.lora_weights("moe")} == {"gate_proj", "up_proj", "down_proj"}
+    tokens = np.random.default_rng(0).integers(0, 49152, size=24)
+    datum = DatumArrays(tokens=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:],
+                                                            "weights": np.ones(len(tokens) - 1, np.float32)})
+    losses = []
+    for _ in range(6):
+        result = engine.forward_backward("moe", [datum], "cross_entropy", None, False)
+        losses.append(-float(result.loss_fn_outputs[0]["logprobs"].sum()))
+        engine.optim_step("moe", AdamSpec(learning_rate=0.02))
+    assert losses[-1] < losses[0] - 1.0, losses
+    assert all(tensor.abs().max() > 0 for key, tensor in engine.lora_weights("moe").items() if key.endswith("lora_B"))
+    path = engine.save_state("moe", "trained")
+    engine.load_state("moe-again", path, with_optimizer=True, base_model=None)
+    first = engine.forward_backward("moe", [datum], "cross_entropy", None, True).loss_fn_outputs[0]["logprobs"]
+    again = engine.forward_backward("moe-again", [datum], "cross_entropy", None, True).loss_fn_outputs[0]["logprobs"]
+    np.testing.assert_array_equal(first, again)
