@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -109,41 +110,22 @@ class ExpertAdapters:
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """The experts' output for each token: Σ over its top-k experts of weight × expert(x), each of the
-        expert's two products with the active adapter's low-rank terms added. The (token, choice) pairs are grouped by
-        expert (one host sync for the group sizes); a choice of an expert id past the last (expert
-        parallelism's sentinel) contributes nothing."""
+        expert's two products with the active adapter's low-rank terms added. The (token, choice) pairs are
+        sorted by expert (:class:`_Groups`); a choice of an expert id past the last (expert parallelism's
+        sentinel) contributes nothing."""
         name = self.active
         module = self.module
         if name is None:
             return type(module).forward(module, hidden_states, top_k_index, top_k_weights)
         tokens, top_k = top_k_index.shape
-        experts = module.gate_up_proj.shape[0]
-        expert_ids = top_k_index.reshape(-1)
-        order = torch.argsort(expert_ids, stable=True)
-        counts = torch.bincount(expert_ids, minlength=experts)[:experts].tolist()
+        groups = _Groups(top_k_index.reshape(-1), module.gate_up_proj.shape[0])
         factors = self._factors(name, hidden_states)
-        x = hidden_states[order // top_k]
-        gate, up = self._grouped(x, module.gate_up_proj, factors["gate_up_proj"], counts).chunk(2, dim=-1)
-        out = self._grouped(module.act_fn(gate) * up, module.down_proj, factors["down_proj"], counts)
-        out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
-        by_choice = out.new_zeros(out.shape).index_copy(0, order, out)
+        x = hidden_states[groups.order // top_k]
+        gate, up = groups.product(x, module.gate_up_proj, *factors["gate_up_proj"]).chunk(2, dim=-1)
+        out = groups.product(module.act_fn(gate) * up, module.down_proj, *factors["down_proj"])
+        out = out * top_k_weights.reshape(-1)[groups.order, None].to(out.dtype)
+        by_choice = out.new_zeros(out.shape).index_copy(0, groups.order, out)
         return by_choice.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
-
-    @staticmethod
-    def _grouped(x: torch.Tensor, weight: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor],
-                 counts: list[int]) -> torch.Tensor:
-        """``x`` (rows grouped by expert, ``counts`` each) through each expert's ``weight`` and low-rank terms;
-        rows past the groups (sentinels) come out zero."""
-        a, scaled_b_t = factors
-        pieces, start = [], 0
-        for expert, count in enumerate(counts):
-            if count:
-                rows = x[start : start + count]
-                pieces.append(torch.addmm(F.linear(rows, weight[expert]), F.linear(rows, a[expert]), scaled_b_t[expert]))
-                start += count
-        if start < x.shape[0] or not pieces:
-            pieces.append(x.new_zeros((x.shape[0] - start, weight.shape[1])))
-        return torch.cat(pieces)
 
     def _factors(self, name: str, x: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per parameter (A, (s·B)ᵀ) as the products take them. Under autocast, from the float32 masters
@@ -178,3 +160,69 @@ def _product_factors(factors: dict[str, torch.Tensor], scaling: float,
     pairs = {"gate_up_proj": gate_up_factors(factors), "down_proj": (factors["down_proj.lora_A"], factors["down_proj.lora_B"])}
     return {parameter: (a.to(compute or a.dtype), (b * scaling).transpose(1, 2).contiguous().to(compute or b.dtype))
             for parameter, (a, b) in pairs.items()}
+
+
+GROUPED = True  # False: every product expert by expert (the path taken where grouped GEMMs are not)
+_grouped_failed: set[str] = set()  # device types where a grouped GEMM raised: the loop from then on
+
+
+class _Groups:
+    """The (token, choice) pairs of one forward sorted by expert, and the products over them.
+
+    A product is one grouped GEMM per term (``F.grouped_mm``: the base product, x Aᵀ and (x Aᵀ)(s·B)ᵀ, three
+    kernels for all experts, no host sync) where torch has it, the device takes it (CUDA from sm80; the CPU)
+    and every operand's rows are 16-byte aligned, as its kernels require (a rank-4 LoRA in bf16 is not: 8-byte
+    rows); otherwise expert by expert, with one host sync for the group sizes. The kernel leaves the rows past
+    the last group (sentinels) unwritten, in its output and in its input's gradient: both are masked."""
+
+    def __init__(self, expert_ids: torch.Tensor, experts: int) -> None:
+        sorted_ids, self.order = torch.sort(expert_ids, stable=True)
+        self.experts = experts
+        # histc ignores ids past its range (the sentinels) and, unlike bincount, does not sync to size its output
+        self.sizes = torch.histc(sorted_ids.float(), bins=experts, min=0, max=experts - 1)
+        self.offsets = self.sizes.cumsum(0).to(torch.int32)
+        self.valid = (sorted_ids < experts).unsqueeze(-1)
+        self._counts: list[int] | None = None
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, scaled_b_t: torch.Tensor) -> torch.Tensor:
+        """``x Wₑᵀ + (x Aₑᵀ)(s·Bₑ)ᵀ`` for each row's expert e; sentinel rows zero."""
+        operands = (x, weight.transpose(1, 2), a.transpose(1, 2), scaled_b_t)
+        if _groupable(x.device, operands, a.shape[1] * a.element_size()):
+            try:
+                x = x.masked_fill(~self.valid, 0)
+                out = F.grouped_mm(x, operands[1], offs=self.offsets)
+                low = F.grouped_mm(x, operands[2], offs=self.offsets)
+                return (out + F.grouped_mm(low, scaled_b_t, offs=self.offsets)).masked_fill(~self.valid, 0)
+            except RuntimeError as error:  # a kernel this torch or device lacks: expert by expert from now on
+                _grouped_failed.add(x.device.type)
+                warnings.warn(f"MoE expert LoRA: grouped GEMMs failed on {x.device.type} ({error}); "
+                              "computing the experts one by one", stacklevel=2)
+        return self._looped(x, weight, a, scaled_b_t)
+
+    def _looped(self, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, scaled_b_t: torch.Tensor) -> torch.Tensor:
+        if self._counts is None:
+            self._counts = [int(n) for n in self.sizes.tolist()]
+        pieces, start = [], 0
+        for expert, count in enumerate(self._counts):
+            if count:
+                rows = x[start : start + count]
+                pieces.append(torch.addmm(F.linear(rows, weight[expert]), F.linear(rows, a[expert]), scaled_b_t[expert]))
+                start += count
+        if start < x.shape[0] or not pieces:
+            pieces.append(x.new_zeros((x.shape[0] - start, weight.shape[1])))
+        return torch.cat(pieces)
+
+
+def _groupable(device: torch.device, operands: tuple[torch.Tensor, ...], rank_bytes: int) -> bool:
+    """Whether :class:`_Groups` may run a product as grouped GEMMs on ``device`` (see there)."""
+    if not GROUPED or device.type in _grouped_failed or not hasattr(F, "grouped_mm"):
+        return False
+    if torch.is_autocast_enabled(device.type):  # grouped GEMMs take no autocast: the operands' own dtypes
+        return False
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    if device.type not in ("cuda", "cpu") or rank_bytes % 16:
+        return False
+    return all(t.data_ptr() % 16 == 0 and all(stride * t.element_size() % 16 == 0
+                                              for stride, size in zip(t.stride(), t.shape) if stride != 1 and size > 1)
+               for t in operands)

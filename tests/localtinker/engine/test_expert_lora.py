@@ -137,6 +137,41 @@ def test_a_sentinel_choice_adds_nothing():
     torch.testing.assert_close(module(hidden, sentinel, weights), module(hidden, index, dropped))
 
 
+def test_grouped_gemms_equal_the_expert_by_expert_loop(monkeypatch):
+    """The products as grouped GEMMs (one kernel per term for all experts) and expert by expert give the same
+    output and gradients, sentinel choices included (the grouped kernel leaves their rows unwritten)."""
+    from localtinker.engine import expert_lora
+
+    module = _experts()
+    adapters = adapters_of(module)
+    adapters.add("a", rank=4, scaling=8.0)  # 16-byte rows in float32: grouped
+    _randomize(adapters.factors["a"], 7)
+    adapters.activate("a")
+    hidden, index, weights = _routing(20)
+    index[::4, 0] = EXPERTS
+    grouped_calls = []
+    grouped_mm = expert_lora.F.grouped_mm
+    monkeypatch.setattr(expert_lora.F, "grouped_mm", lambda *a, **k: grouped_calls.append(1) or grouped_mm(*a, **k))
+
+    def run() -> tuple[torch.Tensor, ...]:
+        x = hidden.clone().requires_grad_(True)
+        out = module(x, index, weights)
+        out.square().sum().backward()
+        grads = tuple(factor.grad.clone() for factor in adapters.factors["a"].values())
+        for factor in adapters.factors["a"].values():
+            factor.grad = None
+        return (out.detach(), x.grad, *grads)
+
+    grouped = run()
+    assert len(grouped_calls) == 6  # three terms in each of the two products
+    monkeypatch.setattr(expert_lora, "GROUPED", False)
+    looped = run()
+    assert len(grouped_calls) == 6
+    for ours, theirs in zip(grouped, looped):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+    assert looped[1][::4].abs().max() > 0  # a token with a sentinel choice still has its other choice's gradient
+
+
 def test_layouts_it_does_not_adapt_are_named():
     module = _experts()
     assert unsupported(module) is None
