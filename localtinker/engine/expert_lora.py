@@ -2,9 +2,13 @@
 
 transformers 5 keeps an MoE layer's experts as two 3-D parameters, ``gate_up_proj`` [experts, 2·inter, hidden]
 (gate rows, then up rows) and ``down_proj`` [experts, hidden, inter], not as linears, so peft's linear LoRA
-does not reach them. Here each adapter gives every expert its own rank-r LoRA on each of its three projections,
-gate, up and down — what Tinker trains on an MoE's experts (its adapters carry them per expert), and what
-peft's adapters of transformers 4 experts were — with A [experts, r, in] and B [experts, out, r]. The
+does not reach them. Here each adapter gives every expert its own LoRA on each of its three projections, gate,
+up and down — what Tinker trains on an MoE's experts (its adapters carry them per expert), and what peft's
+adapters of transformers 4 experts were — with A [experts, r, in] and B [experts, out, r]. Each expert's rank
+is the adapter's rank divided by the number of experts a token goes through (:func:`expert_rank`: LoRA Without
+Regret's rule, Thinking Machines 2025), so the LoRA a token meets in an MoE layer has about the adapter's rank,
+and the trainable share of the experts is the dense layers' (a rank-32 adapter of Qwen3-30B-A3B, 8 of 128
+experts per token: rank 4 per expert, ~0.2 B expert parameters instead of ~1.7 B). The
 experts' forward adds each expert's low-rank products on the tokens routed to it: gate and up as one product
 with A stacked [A_gate; A_up] and B block-diagonal (:func:`gate_up_factors`, the form peft loads such an
 adapter in on transformers 5: one LoRA of rank 2r on ``gate_up_proj``; peft_export.py writes it so).
@@ -60,6 +64,12 @@ def unsupported(module: torch.nn.Module) -> str | None:
     if list(forward.parameters)[1:] != _FORWARD_ARGUMENTS or not hasattr(module, "act_fn"):
         return f"its forward takes {list(forward.parameters)[1:]}, not {_FORWARD_ARGUMENTS} with an act_fn"
     return None
+
+
+def expert_rank(rank: int, config: object) -> int:
+    """Each expert's LoRA rank for an adapter of ``rank``: divided by the experts per token (at least 1)."""
+    per_token = int(getattr(config, "num_experts_per_tok", None) or 1)
+    return max(1, rank // per_token)
 
 
 def adapters_of(module: torch.nn.Module) -> ExpertAdapters:

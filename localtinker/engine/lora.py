@@ -20,7 +20,8 @@ import torch
 
 from localtinker.engine import host_transfer
 from localtinker.engine.api import EngineUserError, LoraSpec
-from localtinker.engine.expert_lora import ExpertAdapters, adapters_of, fused_experts, unsupported
+from localtinker.engine.expert_lora import ExpertAdapters, adapters_of, expert_rank, fused_experts, unsupported
+from localtinker.engine.families import text_config
 from localtinker.engine.merged_lora import forget_layers, lora_layers, merged_output, unmerge
 
 # Llama-family projection names (SmolLM2, Llama, Qwen2/3, Mistral all use them).
@@ -90,8 +91,9 @@ class AdapterHost:
                 else:
                     self._peft.add_adapter(name, config)
                 self._in_peft.add(name)
+            rank = expert_rank(spec.rank, text_config(self.model.config))
             for path, module in experts:
-                self._experts.setdefault(path, adapters_of(module)).add(name, spec.rank, LORA_ALPHA / spec.rank)
+                self._experts.setdefault(path, adapters_of(module)).add(name, rank, LORA_ALPHA / rank)
         install_fused_forward(self.model)
         if not self.parameters(name):
             self.delete_adapter(name)

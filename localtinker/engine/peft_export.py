@@ -15,6 +15,7 @@ are reshaped to that.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -75,9 +76,10 @@ def peft_state_dict(adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def peft_config(base_model: str, lora: LoraSpec, adapter: dict[str, torch.Tensor] | None = None):
     """peft's own ``LoraConfig`` for an engine adapter (Tinker's alpha 32: scaling = alpha / rank). Fused
-    experts are named as ``target_parameters``, ``gate_up_proj`` at rank 2r (alpha 2·32: the same scaling), and the
-    MLP names stay in ``target_modules`` only where the adapter has MLP linears too (peft on transformers 5 would
-    otherwise convert them into expert targets of its own)."""
+    experts are named as ``target_parameters`` at their own rank r (the adapter's divided by the experts per
+    token: expert_lora.expert_rank), ``gate_up_proj`` at 2r with alpha 2·32 (the same scaling); the MLP names
+    stay in ``target_modules`` only where the adapter has MLP linears too (peft on transformers 5 would otherwise
+    convert them into expert targets of its own)."""
     from peft import LoraConfig
 
     adapter = adapter or {}
@@ -88,8 +90,13 @@ def peft_config(base_model: str, lora: LoraSpec, adapter: dict[str, torch.Tensor
         linears = {key.rpartition(".")[0].rpartition(".")[2] for key, t in adapter.items() if not _experts_path(key, t)}
         targets = [name for name in targets if name not in PROJECTIONS or name in linears]
         holders = {path.split("layers.", 1)[-1].partition(".")[2] or path for path in experts}
-        extra = dict(target_parameters=sorted(f"{holder}.{parameter}" for holder in holders for parameter in EXPERT_PARAMETERS),
-                     rank_pattern={r".*\.gate_up_proj": 2 * lora.rank}, alpha_pattern={r".*\.gate_up_proj": 2 * LORA_ALPHA})
+        rank = next(tensor.shape[1] for key, tensor in adapter.items() if _experts_path(key, tensor) and key.endswith(".lora_A"))
+        targets_of = {f"{holder}.{parameter}": 2 if parameter == "gate_up_proj" else 1
+                      for holder in holders for parameter in EXPERT_PARAMETERS}  # gate_up: two LoRAs as one
+        patterns = {rf".*\.{re.escape(target)}": times for target, times in targets_of.items()}
+        extra = dict(target_parameters=sorted(targets_of),
+                     rank_pattern={pattern: times * rank for pattern, times in patterns.items()},
+                     alpha_pattern={pattern: times * LORA_ALPHA for pattern, times in patterns.items()})
     return LoraConfig(
         r=lora.rank,
         lora_alpha=LORA_ALPHA,

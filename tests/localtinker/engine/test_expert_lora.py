@@ -184,12 +184,15 @@ def test_layouts_it_does_not_adapt_are_named():
 
 @pytest.mark.parametrize("portable", [None, True])
 def test_experts_alone_learn_and_round_trip_through_a_checkpoint(tmp_path, portable):
-    """A Qwen3-MoE trained with LoRA on its experts only (no attention, no unembedding): the loss falls, every
-    expert factor trains, and a checkpoint's state gives the same logprobs in a new training client."""
+    """A Qwen3-MoE trained with LoRA on its experts only (no attention, no unembedding): each expert's rank is
+    the adapter's over the experts per token, the loss falls, every expert factor trains, and a checkpoint's state gives the same logprobs in a new training client."""
     engine = LocalEngine(tmp_path, dtype="float32", portable=portable)
     lora = LoraSpec(rank=4, seed=0, train_attn=False, train_unembed=False)
     engine.create_model("moe", str(family_dir("qwen3_moe")), lora)
-    assert {key.rsplit(".", 2)[-2] for key in engine.lora_weights("moe")} == {"gate_proj", "up_proj", "down_proj"}
+    weights = engine.lora_weights("moe")
+    assert {key.rsplit(".", 2)[-2] for key in weights} == {"gate_proj", "up_proj", "down_proj"}
+    # each expert's rank: the adapter's 4 over the 2 experts a token goes through
+    assert weights["model.layers.0.mlp.experts.gate_proj.lora_A"].shape == (EXPERTS, 2, HIDDEN)
     tokens = np.random.default_rng(0).integers(0, 49152, size=24)
     datum = DatumArrays(tokens=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:],
                                                             "weights": np.ones(len(tokens) - 1, np.float32)})

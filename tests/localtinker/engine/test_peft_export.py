@@ -38,17 +38,18 @@ def test_fused_experts_go_as_peft_target_parameters(tmp_path: Path) -> None:
     wrappers: gate_up_proj innermost), attention as target_modules, no MLP names for linears it does not have."""
     experts, rank, hidden, inter = 3, 2, 8, 4
     path = "model.layers.0.mlp.experts"
-    adapter = {"model.layers.0.self_attn.q_proj.lora_A": torch.ones(rank, hidden),
-               "model.layers.0.self_attn.q_proj.lora_B": torch.zeros(hidden, rank)}
+    adapter = {"model.layers.0.self_attn.q_proj.lora_A": torch.ones(4 * rank, hidden),
+               "model.layers.0.self_attn.q_proj.lora_B": torch.zeros(hidden, 4 * rank)}
     for projection, (out_features, in_features) in {"gate_proj": (inter, hidden), "up_proj": (inter, hidden),
                                                     "down_proj": (hidden, inter)}.items():
         adapter[f"{path}.{projection}.lora_A"] = torch.randn(experts, rank, in_features)
         adapter[f"{path}.{projection}.lora_B"] = torch.randn(experts, out_features, rank)
-    write_peft_adapter(tmp_path, adapter, "org/moe", LoraSpec(rank=rank, train_unembed=False))
+    write_peft_adapter(tmp_path, adapter, "org/moe", LoraSpec(rank=4 * rank, train_unembed=False))  # 4 experts a token
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert sorted(config["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
     assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
-    assert config["rank_pattern"] == {r".*\.gate_up_proj": 2 * rank} and config["alpha_pattern"] == {r".*\.gate_up_proj": 64}
+    assert config["rank_pattern"] == {r".*\.mlp\.experts\.gate_up_proj": 2 * rank, r".*\.mlp\.experts\.down_proj": rank}
+    assert config["alpha_pattern"] == {r".*\.mlp\.experts\.gate_up_proj": 64, r".*\.mlp\.experts\.down_proj": 32}
     saved = load_file(str(tmp_path / "adapter_model.safetensors"))
     gate_up_a, gate_up_b = saved[f"base_model.model.{path}.base_layer.lora_A.weight"], saved[f"base_model.model.{path}.base_layer.lora_B.weight"]
     assert gate_up_a.shape == (experts * 2 * rank, hidden) and gate_up_b.shape == (2 * inter, 2 * rank * experts)
