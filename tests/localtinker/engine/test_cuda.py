@@ -1,6 +1,7 @@
 """The CUDA path on a real GPU (``make test-gpu``; skipped without one): every family against transformers +
-peft in float32 (Qwen3-MoE with LoRA on its experts), and in bf16 the trainer against the model's own forward and the sampler against the trainer,
-within the rounding of bf16 activations; weights stay bf16 on the device, LoRA and Adam state float32."""
+peft in float32 (Qwen3-MoE with LoRA on its experts), and in bf16 the trainer against the model's own forward
+and the sampler against the trainer, within the rounding of bf16 activations; weights stay bf16 on the device,
+LoRA and Adam state float32."""
 
 from __future__ import annotations
 

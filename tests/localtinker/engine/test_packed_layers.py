@@ -27,7 +27,7 @@ LENGTHS = (7, 19, 3)
 def _engine(tmp_path, family: str, lora: LoraSpec | None = None, **kwargs) -> tuple[LocalEngine, str]:
     engine = LocalEngine(tmp_path / family, dtype="float32", portable=True, static_decode=False, **kwargs)
     model_id = f"layers:{family}"
-    lora = lora or LoraSpec(rank=4, seed=0, train_mlp=family != "qwen3_moe")
+    lora = lora or LoraSpec(rank=4, seed=0)
     engine.create_model(model_id, str(family_dir(family)), lora)
     generator = torch.Generator().manual_seed(4)
     with torch.no_grad():  # B starts at zero: make the adapter change the output
