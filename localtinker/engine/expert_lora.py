@@ -3,15 +3,15 @@
 transformers 5 keeps an MoE layer's experts as two 3-D parameters, ``gate_up_proj`` [experts, 2·inter, hidden]
 (gate rows, then up rows) and ``down_proj`` [experts, hidden, inter], not as linears, so peft's linear LoRA
 does not reach them. Here each adapter gives every expert its own LoRA on each of its three projections, gate,
-up and down — what Tinker trains on an MoE's experts (its adapters carry them per expert), and what peft's
-adapters of transformers 4 experts were — with A [experts, r, in] and B [experts, out, r]. Each expert's rank
-is the adapter's rank divided by the number of experts a token goes through (:func:`expert_rank`: LoRA Without
-Regret's rule, Thinking Machines 2025), so the LoRA a token meets in an MoE layer has about the adapter's rank,
-and the trainable share of the experts is the dense layers' (a rank-32 adapter of Qwen3-30B-A3B, 8 of 128
-experts per token: rank 4 per expert, ~0.2 B expert parameters instead of ~1.7 B). The
-experts' forward adds each expert's low-rank products on the tokens routed to it: gate and up as one product
-with A stacked [A_gate; A_up] and B block-diagonal (:func:`gate_up_factors`, the form peft loads such an
-adapter in on transformers 5: one LoRA of rank 2r on ``gate_up_proj``; peft_export.py writes it so).
+up and down, with A [experts, r, in] and B [experts, out, r] — what Tinker trains on an MoE's experts, in the
+3-D form its adapters carry them (peft_export.py). Each expert's rank is the adapter's divided by the number of
+experts a token goes through (:func:`expert_rank`: the rule of Thinking Machines' "LoRA Without Regret"), with
+the adapter's scaling alpha / rank: the LoRA a token meets in an MoE layer is then, summed over its experts,
+one of the adapter's rank and scaling, and the experts' trainable share is the dense layers' (a rank-32 adapter
+of Qwen3-30B-A3B, 8 of 128 experts per token: rank 4 per expert, ~0.2 B expert parameters instead of ~1.7 B).
+tinker-cookbook's weight tools merge such adapters with that one scaling. The experts' forward adds each
+expert's low-rank products on the tokens routed to it: gate and up as one product, A stacked [A_gate; A_up] and
+B block-diagonal (:func:`gate_up_factors`; the form a peft adapter of ``gate_up_proj`` takes them in).
 
 Not peft's own wrapper for 3-D parameters: it folds s·B·A into a copy of every expert's weight at each forward
 (a tensor the size of the parameter per call, for every expert whether tokens reach it or not), and it
@@ -155,12 +155,13 @@ class ExpertAdapters:
 
 
 def gate_up_factors(factors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate and up LoRAs (rank r each) as one LoRA of rank 2r on ``gate_up_proj``: A [E, 2r, H] stacked
-    gate then up, B [E, 2I, 2r] block-diagonal (gate rows take the gate's rank, up rows the up's)."""
+    """The gate and up LoRAs (ranks r and r') as one LoRA of rank r + r' on ``gate_up_proj``: A [E, r + r', H]
+    stacked gate then up, B [E, 2I, r + r'] block-diagonal (gate rows take the gate's rank, up rows the up's)."""
     b_gate, b_up = factors["gate_proj.lora_B"], factors["up_proj.lora_B"]
     a = torch.cat((factors["gate_proj.lora_A"], factors["up_proj.lora_A"]), dim=1)
-    b = torch.cat((torch.cat((b_gate, torch.zeros_like(b_gate)), dim=2), torch.cat((torch.zeros_like(b_up), b_up), dim=2)),
-                  dim=1)
+    experts, inter = b_gate.shape[:2]
+    b = torch.cat((torch.cat((b_gate, b_gate.new_zeros((experts, inter, b_up.shape[2]))), dim=2),
+                   torch.cat((b_up.new_zeros((experts, inter, b_gate.shape[2])), b_up), dim=2)), dim=1)
     return a, b
 
 

@@ -93,7 +93,7 @@ class AdapterHost:
                 self._in_peft.add(name)
             rank = expert_rank(spec.rank, text_config(self.model.config))
             for path, module in experts:
-                self._experts.setdefault(path, adapters_of(module)).add(name, rank, LORA_ALPHA / rank)
+                self._experts.setdefault(path, adapters_of(module)).add(name, rank, LORA_ALPHA / spec.rank)
         install_fused_forward(self.model)
         if not self.parameters(name):
             self.delete_adapter(name)

@@ -5,17 +5,15 @@
 ``base_model.model.<module path>.lora_A.weight``. The engine keys its tensors ``<module path>.lora_A``
 (lora.py), so the conversion is a rename; the tensors are the float32 master weights as trained.
 
-Fused MoE experts (expert_lora.py) are peft ``target_parameters``: the config names them, and peft nests one
-wrapper per parameter on the experts module, the first registered innermost, so ``gate_up_proj``'s factors
-are keyed ``<experts>.base_layer.lora_A.weight`` and ``down_proj``'s ``<experts>.lora_A.weight``. The gate and
-up LoRAs go as one of rank 2r (expert_lora.gate_up_factors). peft lays factors out as A [experts·r, in]
-(expert-major) and B [out, r·experts] (expert-minor); the engine's A [experts, r, in] and B [experts, out, r]
-are reshaped to that.
+LoRA on an MoE's fused experts (expert_lora.py) is written as Tinker writes it: one 3-D tensor per projection
+and factor, ``<experts>.gate_proj.lora_A.weight`` [experts, r, in] and ``.lora_B.weight`` [experts, out, r]
+(likewise ``up_proj``, ``down_proj``), with the config's rank and alpha giving its scaling — what
+tinker-cookbook's weight tools read. peft on transformers 5 cannot load that as it is;
+``resources/hf_export/experts.py`` turns it into peft's ``target_parameters`` form.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
@@ -23,7 +21,6 @@ from safetensors.torch import save_file
 
 from localtinker.engine.api import CheckpointFiles, EngineUserError, LoraSpec
 from localtinker.engine.checkpoints import CheckpointStore, parse_tinker_path
-from localtinker.engine.expert_lora import EXPERT_PARAMETERS, PROJECTIONS, gate_up_factors
 from localtinker.engine.lora import LORA_ALPHA, target_module_names
 
 PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -50,69 +47,29 @@ def engine_key(peft_name: str) -> str:
     return stripped
 
 
-def _experts_path(engine_key: str, tensor: torch.Tensor) -> str | None:
-    """The experts module's path of a fused experts' factor key (expert_lora.py's), else None."""
-    module, _, _ = engine_key.rpartition(".")
-    path, _, projection = module.rpartition(".")
-    return path if tensor.dim() == 3 and projection in PROJECTIONS else None
-
-
 def peft_state_dict(adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    state, experts = {}, {}
-    for key, tensor in adapter.items():
-        path = _experts_path(key, tensor)
-        if path is None:
-            state[peft_key(key)] = tensor.detach().contiguous()
-        else:
-            experts.setdefault(path, {})[key.removeprefix(f"{path}.")] = tensor.detach()
-    for path, factors in experts.items():
-        pairs = {"gate_up_proj": gate_up_factors(factors), "down_proj": (factors["down_proj.lora_A"], factors["down_proj.lora_B"])}
-        for parameter, (a, b) in pairs.items():
-            wrapper = path + ".base_layer" * (len(EXPERT_PARAMETERS) - 1 - EXPERT_PARAMETERS.index(parameter))
-            state[peft_key(f"{wrapper}.lora_A")] = a.reshape(-1, a.shape[-1]).contiguous()  # [E, r, in] -> [E·r, in]
-            state[peft_key(f"{wrapper}.lora_B")] = b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()  # -> [out, r·E]
-    return state
+    return {peft_key(key): tensor.detach().contiguous() for key, tensor in adapter.items()}
 
 
-def peft_config(base_model: str, lora: LoraSpec, adapter: dict[str, torch.Tensor] | None = None):
-    """peft's own ``LoraConfig`` for an engine adapter (Tinker's alpha 32: scaling = alpha / rank). Fused
-    experts are named as ``target_parameters`` at their own rank r (the adapter's divided by the experts per
-    token: expert_lora.expert_rank), ``gate_up_proj`` at 2r with alpha 2·32 (the same scaling); the MLP names
-    stay in ``target_modules`` only where the adapter has MLP linears too (peft on transformers 5 would otherwise
-    convert them into expert targets of its own)."""
+def peft_config(base_model: str, lora: LoraSpec):
+    """peft's own ``LoraConfig`` for an engine adapter (Tinker's alpha 32: scaling = alpha / rank)."""
     from peft import LoraConfig
 
-    adapter = adapter or {}
-    experts = {path for key, tensor in adapter.items() if (path := _experts_path(key, tensor))}
-    targets = target_module_names(lora)
-    extra = {}
-    if experts:
-        linears = {key.rpartition(".")[0].rpartition(".")[2] for key, t in adapter.items() if not _experts_path(key, t)}
-        targets = [name for name in targets if name not in PROJECTIONS or name in linears]
-        holders = {path.split("layers.", 1)[-1].partition(".")[2] or path for path in experts}
-        rank = next(tensor.shape[1] for key, tensor in adapter.items() if _experts_path(key, tensor) and key.endswith(".lora_A"))
-        targets_of = {f"{holder}.{parameter}": 2 if parameter == "gate_up_proj" else 1
-                      for holder in holders for parameter in EXPERT_PARAMETERS}  # gate_up: two LoRAs as one
-        patterns = {rf".*\.{re.escape(target)}": times for target, times in targets_of.items()}
-        extra = dict(target_parameters=sorted(targets_of),
-                     rank_pattern={pattern: times * rank for pattern, times in patterns.items()},
-                     alpha_pattern={pattern: times * LORA_ALPHA for pattern, times in patterns.items()})
     return LoraConfig(
         r=lora.rank,
         lora_alpha=LORA_ALPHA,
         lora_dropout=0.0,
-        target_modules=targets,
+        target_modules=target_module_names(lora),
         bias="none",
         task_type="CAUSAL_LM",
         base_model_name_or_path=base_model,
-        **extra,
     )
 
 
 def write_peft_adapter(directory: Path, adapter: dict[str, torch.Tensor], base_model: str, lora: LoraSpec) -> None:
     """Writes ``adapter_model.safetensors`` and ``adapter_config.json`` into ``directory``."""
     save_file(peft_state_dict(adapter), str(directory / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
-    peft_config(base_model, lora, adapter).save_pretrained(str(directory))
+    peft_config(base_model, lora).save_pretrained(str(directory))
 
 
 def save_external_weights(

@@ -3,7 +3,8 @@ logprobs and LoRA gradients equal transformers + peft's own forward (``ForCausal
 sliding windows included), and sampler logprobs equal the trainer's, on the CPU's default path and on the
 portable path (the CUDA path's code, run here on the CPU), with either of its samplers. Qwen3-MoE's experts
 carry LoRA too (expert_lora.py): its reference is peft's own ``target_parameters`` LoRA, loaded by
-``PeftModel.from_pretrained`` from the adapter the engine exports."""
+``PeftModel.from_pretrained`` from the adapter the engine exports, in the form the project's export gives it
+(resources/hf_export/experts.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from localtinker.engine.api import DatumArrays, EngineUserError, LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.lora import LORA_ALPHA, target_module_names
-from localtinker.engine.peft_export import peft_state_dict, write_peft_adapter
+from localtinker.engine.peft_export import peft_key, write_peft_adapter
+from resources.hf_export.experts import convert_expert_adapter, experts_as_peft
 from tests.localtinker.engine.families import FAMILIES, family_dir
 
 LORA = LoraSpec(rank=4, seed=0)
@@ -50,6 +52,7 @@ def _reference(family: str, lora: LoraSpec, weights: dict[str, torch.Tensor], tm
     model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32)
     if any(tensor.dim() == 3 for tensor in weights.values()):  # fused experts: peft's target_parameters LoRA
         write_peft_adapter(tmp_path, weights, str(family_dir(family)), lora)
+        assert convert_expert_adapter(tmp_path)
         return PeftModel.from_pretrained(model, tmp_path, is_trainable=True)
     peft_model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=LORA_ALPHA, target_modules=target_module_names(lora)))
     named = dict(peft_model.named_parameters())
@@ -60,13 +63,15 @@ def _reference(family: str, lora: LoraSpec, weights: dict[str, torch.Tensor], tm
     return peft_model
 
 
-def _peft_grads(grads: dict[str, torch.Tensor], reference: torch.nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+def _peft_grads(grads: dict[str, torch.Tensor], reference: torch.nn.Module, lora: LoraSpec) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(key, ours, peft's) per PEFT tensor. Where the engine's gate and up LoRAs go as one block-diagonal LoRA,
     peft's off-diagonal entries (zeros the engine does not train) are left out of the comparison."""
     named = dict(reference.named_parameters())
-    trained = peft_state_dict({key: torch.ones_like(grad) for key, grad in grads.items()})
+    config = {"r": lora.rank, "lora_alpha": LORA_ALPHA, "target_modules": target_module_names(lora)}
+    ours_named = {peft_key(key): grad.cpu() for key, grad in grads.items()}
+    trained = experts_as_peft({key: torch.ones_like(grad) for key, grad in ours_named.items()}, config)[0]
     pairs = []
-    for key, ours in peft_state_dict({key: grad.cpu() for key, grad in grads.items()}).items():
+    for key, ours in experts_as_peft(ours_named, config)[0].items():
         theirs = named[key.removesuffix(".weight") + ".default.weight"].grad
         pairs.append((key, ours, theirs * (trained[key] != 0)))
     return pairs
@@ -98,7 +103,7 @@ def check_family(engine: LocalEngine, family: str, tolerance: float, tmp_path) -
         np.testing.assert_allclose(output["logprobs"], expected.detach().numpy(), atol=tolerance, rtol=0)
         total = total - expected.sum()
     total.backward()
-    for key, grad, expected_grad in _peft_grads(engine.lora_grads(model_id), reference):
+    for key, grad, expected_grad in _peft_grads(engine.lora_grads(model_id), reference, lora):
         torch.testing.assert_close(grad, expected_grad, atol=10 * tolerance, rtol=10 * tolerance, msg=key)
 
     path = engine.save_sampler_weights(model_id, "families")

@@ -1,0 +1,83 @@
+"""A Tinker-format LoRA on an MoE's experts, turned into peft's ``target_parameters`` form in place.
+
+Tinker's adapters (hosted, and localtinker's: ``localtinker/engine/peft_export.py``) carry an MoE layer's expert
+LoRA as one 3-D tensor per projection and factor: ``<experts>.gate_proj.lora_A.weight`` [experts, r, in],
+``.lora_B.weight`` [experts, out, r] (``w1`` / ``w3`` / ``w2`` in some: gate / up / down), a factor of size 1
+in its first dimension shared by every expert, and the config's alpha / rank as the scaling. transformers 5
+fuses the experts into ``gate_up_proj`` [experts, 2·inter, hidden] and ``down_proj`` [experts, hidden, inter],
+which peft adapts as ``target_parameters`` — one wrapper per parameter, nested, the first registered
+innermost, with A [experts·r, in] (expert-major) and B [out, r·experts] (expert-minor). The gate and up LoRAs
+become one of their summed rank on ``gate_up_proj`` (localtinker's ``expert_lora.gate_up_factors``: A stacked,
+B block-diagonal), and ``rank_pattern`` / ``alpha_pattern`` keep each parameter's rank and the scaling.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from localtinker.engine.expert_lora import EXPERT_PARAMETERS, gate_up_factors
+from posttrain.export.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ExportError
+
+_PROJECTIONS = {"gate_proj": "gate_proj", "w1": "gate_proj", "up_proj": "up_proj", "w3": "up_proj",
+                "down_proj": "down_proj", "w2": "down_proj"}
+_FACTORS = ("lora_A", "lora_B")
+
+
+def convert_expert_adapter(adapter_dir: Path) -> bool:
+    """Rewrites ``adapter_dir``'s adapter in peft's form where it holds 3-D expert factors; False (untouched)
+    where it holds none."""
+    weights = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
+    if not any(tensor.dim() == 3 for tensor in weights.values()):
+        return False
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    weights, config = experts_as_peft(weights, config)
+    save_file(weights, str(adapter_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (adapter_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+    return True
+
+
+def experts_as_peft(weights: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """(weights, config) of an adapter with 3-D expert factors, in peft's ``target_parameters`` form."""
+    scaling = float(config["lora_alpha"]) / float(config["r"])
+    converted: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in weights.items():
+        if tensor.dim() != 3:
+            converted[key] = tensor
+            continue
+        module, _, factor = key.removesuffix(".weight").rpartition(".")
+        path, _, projection = module.rpartition(".")
+        if projection not in _PROJECTIONS or factor not in _FACTORS:
+            raise ExportError(f"adapter tensor {key} {tuple(tensor.shape)} is not an expert LoRA factor of "
+                              f"{sorted(_PROJECTIONS)}: an adapter of another model family?")
+        experts.setdefault(path, {})[f"{_PROJECTIONS[projection]}.{factor}"] = tensor
+    ranks: dict[str, int] = {}
+    for path, factors in experts.items():
+        missing = sorted({f"{p}.{f}" for p in ("gate_proj", "up_proj", "down_proj") for f in _FACTORS} - set(factors))
+        if missing:
+            raise ExportError(f"the adapter's experts at {path} lack {missing}: gate, up and down are converted together")
+        count = max(t.shape[0] for t in factors.values())
+        factors = {name: t.expand(count, -1, -1) if t.shape[0] == 1 else t for name, t in factors.items()}
+        pairs = {"gate_up_proj": gate_up_factors(factors), "down_proj": (factors["down_proj.lora_A"], factors["down_proj.lora_B"])}
+        for parameter, (a, b) in pairs.items():
+            wrapper = path + ".base_layer" * (len(EXPERT_PARAMETERS) - 1 - EXPERT_PARAMETERS.index(parameter))
+            converted[f"{wrapper}.lora_A.weight"] = a.reshape(-1, a.shape[-1]).contiguous()  # [E, r, in] -> [E·r, in]
+            converted[f"{wrapper}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()  # [out, r·E]
+            target = f"{path.removeprefix('base_model.model.').split('layers.', 1)[-1].partition('.')[2]}.{parameter}"
+            if ranks.setdefault(target, a.shape[1]) != a.shape[1]:
+                raise ExportError(f"the adapter's {target} LoRAs differ in rank from layer to layer; peft takes one per name")
+    patterns = {rf".*\.{re.escape(target)}": rank for target, rank in ranks.items()}
+    dense = {key.removesuffix(".weight").rpartition(".")[0].rpartition(".")[2] for key, t in converted.items() if t.dim() == 2}
+    config = {**config,
+              "target_modules": sorted(name for name in config.get("target_modules") or []
+                                       if name not in _PROJECTIONS or name in dense) or None,
+              "target_parameters": sorted(ranks),
+              "rank_pattern": {**(config.get("rank_pattern") or {}), **patterns},
+              "alpha_pattern": {**(config.get("alpha_pattern") or {}),
+                                **{pattern: scaling * rank for pattern, rank in patterns.items()}}}
+    return converted, config

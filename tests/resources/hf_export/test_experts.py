@@ -1,0 +1,82 @@
+"""Tinker-format expert LoRA (3-D factors per projection) into peft's target_parameters form: the layout peft
+reads, Tinker's other names and shared factors, and clear errors for what cannot be converted. That peft then
+computes the engine's function is checked by test_families.py (Qwen3-MoE) and test_export.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from posttrain.export.adapter import ExportError
+from resources.hf_export.experts import convert_expert_adapter, experts_as_peft
+
+EXPERTS, RANK, HIDDEN, INTER = 3, 2, 8, 4
+PATH = "base_model.model.model.layers.0.mlp.experts"
+CONFIG = {"r": 8, "lora_alpha": 32, "target_modules": ["q_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def _adapter(names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    adapter = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(8, HIDDEN)}
+    for name, (out_features, in_features) in zip(names, ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER))):
+        adapter[f"{PATH}.{name}.lora_A.weight"] = torch.randn(EXPERTS, RANK, in_features, generator=generator)
+        adapter[f"{PATH}.{name}.lora_B.weight"] = torch.randn(EXPERTS, out_features, RANK, generator=generator)
+    return adapter
+
+
+def test_peft_layout_ranks_and_scaling():
+    adapter = _adapter()
+    weights, config = experts_as_peft(adapter, CONFIG)
+    assert config["target_modules"] == ["q_proj"]  # no MLP linears in this model: peft would convert the names
+    assert config["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert config["rank_pattern"] == {r".*\.mlp\.experts\.gate_up_proj": 2 * RANK, r".*\.mlp\.experts\.down_proj": RANK}
+    # the adapter's scaling 32 / 8 for every expert LoRA: alpha = 4 · rank
+    assert config["alpha_pattern"] == {r".*\.mlp\.experts\.gate_up_proj": 16.0, r".*\.mlp\.experts\.down_proj": 8.0}
+    gate_up_a, gate_up_b = weights[f"{PATH}.base_layer.lora_A.weight"], weights[f"{PATH}.base_layer.lora_B.weight"]
+    assert gate_up_a.shape == (EXPERTS * 2 * RANK, HIDDEN) and gate_up_b.shape == (2 * INTER, 2 * RANK * EXPERTS)
+    assert weights[f"{PATH}.lora_A.weight"].shape == (EXPERTS * RANK, INTER)
+    # peft's layout: A row e·2r + j, B column j·E + e; expert 1's gate block, up block, zero off-diagonal blocks
+    torch.testing.assert_close(gate_up_a.view(EXPERTS, 2 * RANK, HIDDEN)[1, RANK:], adapter[f"{PATH}.up_proj.lora_A.weight"][1])
+    per_expert_b = gate_up_b.view(2 * INTER, 2 * RANK, EXPERTS)[:, :, 1]
+    torch.testing.assert_close(per_expert_b[:INTER, :RANK], adapter[f"{PATH}.gate_proj.lora_B.weight"][1])
+    torch.testing.assert_close(per_expert_b[INTER:, RANK:], adapter[f"{PATH}.up_proj.lora_B.weight"][1])
+    assert not per_expert_b[:INTER, RANK:].any() and not per_expert_b[INTER:, :RANK].any()
+    delta = weights[f"{PATH}.lora_B.weight"].view(HIDDEN, RANK, EXPERTS)[:, :, 2] @ weights[f"{PATH}.lora_A.weight"].view(
+        EXPERTS, RANK, INTER)[2]
+    expected = adapter[f"{PATH}.down_proj.lora_B.weight"][2] @ adapter[f"{PATH}.down_proj.lora_A.weight"][2]
+    torch.testing.assert_close(delta, expected)
+
+
+def test_w1_w3_w2_names_and_shared_factors_convert_alike():
+    adapter = _adapter()
+    renamed = {key.replace(".gate_proj.", ".w1.").replace(".up_proj.", ".w3.").replace(".down_proj.", ".w2."): t
+               for key, t in adapter.items()}
+    shared = dict(adapter)
+    shared[f"{PATH}.gate_proj.lora_A.weight"] = adapter[f"{PATH}.gate_proj.lora_A.weight"][:1]  # one A for all experts
+    expected = dict(adapter)
+    expected[f"{PATH}.gate_proj.lora_A.weight"] = adapter[f"{PATH}.gate_proj.lora_A.weight"][:1].expand(EXPERTS, -1, -1)
+    for variant, reference in ((renamed, adapter), (shared, expected)):
+        ours, _ = experts_as_peft(variant, CONFIG)
+        theirs, _ = experts_as_peft(reference, CONFIG)
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            torch.testing.assert_close(ours[key], theirs[key])
+
+
+def test_what_cannot_be_converted_is_named(tmp_path: Path):
+    partial = {k: t for k, t in _adapter().items() if ".up_proj." not in k}
+    with pytest.raises(ExportError, match=r"lack \['up_proj.lora_A', 'up_proj.lora_B'\]"):
+        experts_as_peft(partial, CONFIG)
+    odd = {**_adapter(), f"{PATH}.router.lora_A.weight": torch.zeros(EXPERTS, RANK, HIDDEN)}
+    with pytest.raises(ExportError, match="router.lora_A.weight .* not an expert LoRA factor"):
+        experts_as_peft(odd, CONFIG)
+    dense = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(8, HIDDEN)}
+    save_file(dense, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(CONFIG))
+    assert not convert_expert_adapter(tmp_path)  # nothing 3-D: the files stay as they are
+    assert load_file(str(tmp_path / "adapter_model.safetensors")).keys() == dense.keys()
+    assert json.loads((tmp_path / "adapter_config.json").read_text()) == CONFIG
