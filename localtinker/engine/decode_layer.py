@@ -142,13 +142,20 @@ def post_attention(out: torch.Tensor, x: torch.Tensor, o_proj: Projection, norm:
     return project(F.silu(gate) * up, down, residual=x)
 
 
-PIECES = (pre_attention_cached, attention_weights, post_attention)
+def attention_residual(out: torch.Tensor, x: torch.Tensor, o_proj: Projection, norm: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """o_proj onto the residual stream, and its norm: what an MoE layer's block (run as its own module) takes."""
+    x = project(out, o_proj, residual=x)
+    return x, rms(x, norm, eps)
+
+
+PIECES = (pre_attention_cached, attention_weights, post_attention, attention_residual)
 _compiled: dict[Callable, Callable] = {}
 
 
 def pieces(compiled: bool) -> tuple[Callable, ...]:
-    """The three pieces, each compiled once per process when asked (graphs are then keyed by shapes, not by
-    which layer or model calls them)."""
+    """The pieces, each compiled once per process when asked (graphs are then keyed by shapes, not by which
+    layer or model calls them)."""
     return tuple(compiled_once(fn) for fn in PIECES) if compiled else PIECES
 
 

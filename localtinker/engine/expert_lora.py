@@ -167,10 +167,18 @@ def gate_up_factors(factors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tor
 
 def _product_factors(factors: dict[str, torch.Tensor], scaling: float,
                      compute: torch.dtype | None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{parameter: (A, (s·B)ᵀ)}, in ``compute`` (None: as they are)."""
+    """{parameter: (A, (s·B)ᵀ)}, in ``compute`` (None: as they are), the rank padded with zeros to 16 bytes of
+    the product's rows (what grouped GEMMs take: a rank-4 LoRA in bf16 has 8)."""
     pairs = {"gate_up_proj": gate_up_factors(factors), "down_proj": (factors["down_proj.lora_A"], factors["down_proj.lora_B"])}
-    return {parameter: (a.to(compute or a.dtype), (b * scaling).transpose(1, 2).contiguous().to(compute or b.dtype))
-            for parameter, (a, b) in pairs.items()}
+    out = {}
+    for parameter, (a, b) in pairs.items():
+        a, b_t = a.to(compute or a.dtype), (b * scaling).transpose(1, 2).to(compute or b.dtype)
+        pad = -a.shape[1] % max(1, 16 // a.element_size())
+        if pad:
+            a = torch.cat((a, a.new_zeros((a.shape[0], pad, a.shape[2]))), dim=1)
+            b_t = torch.cat((b_t, b_t.new_zeros((b_t.shape[0], pad, b_t.shape[2]))), dim=1)
+        out[parameter] = (a, b_t.contiguous())
+    return out
 
 
 GROUPED = True  # False: every product expert by expert (the path taken where grouped GEMMs are not)
@@ -181,9 +189,9 @@ class _Groups:
     """The (token, choice) pairs of one forward sorted by expert, and the products over them.
 
     A product is one grouped GEMM per term (``F.grouped_mm``: the base product, x Aᵀ and (x Aᵀ)(s·B)ᵀ, three
-    kernels for all experts, no host sync) where torch has it, the device takes it (CUDA from sm80; the CPU)
-    and every operand's rows are 16-byte aligned, as its kernels require (a rank-4 LoRA in bf16 is not: 8-byte
-    rows); otherwise expert by expert, with one host sync for the group sizes. The kernel leaves the rows past
+    kernels for all experts, no host sync) where :func:`grouped_possible` and every operand's rows are 16-byte
+    aligned, as its kernels require (the factors' rank is padded for that); otherwise expert by expert, with one
+    host sync for the group sizes. The kernel leaves the rows past
     the last group (sentinels) unwritten, in its output and in its input's gradient: both are masked."""
 
     def __init__(self, expert_ids: torch.Tensor, experts: int) -> None:
@@ -224,16 +232,20 @@ class _Groups:
         return torch.cat(pieces)
 
 
-def _groupable(device: torch.device, operands: tuple[torch.Tensor, ...], rank_bytes: int) -> bool:
-    """Whether :class:`_Groups` may run a product as grouped GEMMs on ``device`` (see there)."""
+def grouped_possible(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether expert products in ``dtype`` may run as grouped GEMMs on ``device``: torch has them, the CPU or a
+    CUDA card from sm80 in a half dtype (the dtypes its grouped kernels are known for), none failed here."""
     if not GROUPED or device.type in _grouped_failed or not hasattr(F, "grouped_mm"):
         return False
-    if torch.is_autocast_enabled(device.type):  # grouped GEMMs take no autocast: the operands' own dtypes
-        return False
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
-        return False
-    if device.type not in ("cuda", "cpu") or rank_bytes % 16:
-        return False
+    if device.type == "cuda":
+        return dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(device) >= (8, 0)
+    return device.type == "cpu"
+
+
+def _groupable(device: torch.device, operands: tuple[torch.Tensor, ...], rank_bytes: int) -> bool:
+    """Whether :class:`_Groups` may run a product as grouped GEMMs on ``device`` (see there)."""
+    if not grouped_possible(device, operands[0].dtype) or torch.is_autocast_enabled(device.type) or rank_bytes % 16:
+        return False  # (grouped GEMMs take no autocast: the operands' own dtypes)
     return all(t.data_ptr() % 16 == 0 and all(stride * t.element_size() % 16 == 0
                                               for stride, size in zip(t.stride(), t.shape) if stride != 1 and size > 1)
                for t in operands)

@@ -200,7 +200,7 @@ class PackedLayers:
         """The model's PackedLayers (built once), or None where its family is not written out here (decided once)."""
         kept = model.__dict__.get(_KEPT)
         if kept is None:
-            kept = model.__dict__[_KEPT] = cls(model) if static_decode_supported(model) else False
+            kept = model.__dict__[_KEPT] = cls(model) if static_decode_supported(model, moe=False) else False
         return kept or None
 
     def _layer_parts(self) -> list[LayerParts] | None:

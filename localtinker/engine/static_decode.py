@@ -41,14 +41,16 @@ import torch
 import torch.nn.functional as F
 
 from localtinker.engine.decode_layer import (
-    LayerShape, Projection, compile_by_default, compiled_once, pieces, post_attention, pre_attention, project, rms,
+    LayerShape, Projection, attention_residual, compile_by_default, compiled_once, pieces, post_attention,
+    pre_attention, project, rms,
 )
+from localtinker.engine.expert_lora import adapters_of, grouped_possible, unsupported
 from localtinker.engine.families import architecture, final_softcap, text_config, uses_sliding_windows
 from localtinker.engine.packed_layout import PackedLayout
 from localtinker.engine.portable_attention import packed_causal_attention
 from localtinker.engine.token_choice import choose_in_step
 
-STATIC_DECODE_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+STATIC_DECODE_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral", "qwen3_moe"})
 MIN_COLUMNS = 128  # a graph is captured per power-of-two bucket of rows and of attended columns
 _POOL = "_localtinker_static_decoders"  # on the base model: decoders whose batch has drained, graphs kept
 _KEPT_DECODERS = 2
@@ -67,20 +69,42 @@ def pooled_decoders(model: torch.nn.Module) -> list[StaticDecoder]:
     return model.__dict__.setdefault(_POOL, [])
 
 
-def static_decode_supported(model: torch.nn.Module) -> bool:
-    """Whether :class:`StaticDecoder` computes this model's own decode step."""
+def static_decode_supported(model: torch.nn.Module, moe: bool = True) -> bool:
+    """Whether :class:`StaticDecoder` computes this model's own decode step: a Llama-shaped family whose MLPs
+    are plain linears, or (``moe``) a mixture-of-experts block over fused experts that expert_lora.py adapts,
+    which then runs as its own module inside the step (router, experts and their LoRA alike)."""
     config = model.config
     text = text_config(config)
     if not (architecture(config) in STATIC_DECODE_FAMILIES and not final_softcap(config)
-            and not uses_sliding_windows(config) and getattr(text, "hidden_act", "silu") == "silu"
-            and not any(p.dim() == 3 for p in model.parameters())):
+            and not uses_sliding_windows(config) and getattr(text, "hidden_act", "silu") == "silu"):
         return False
     groups = [[model.get_output_embeddings()]]
     for layer in model.get_decoder().layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        groups += [[attention.q_proj, attention.k_proj, attention.v_proj], [attention.o_proj],
-                   [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]]
+        attention = layer.self_attn
+        groups += [[attention.q_proj, attention.k_proj, attention.v_proj], [attention.o_proj]]
+        if _moe_block(layer) is not None:
+            if not moe:
+                return False
+        elif any(p.dim() == 3 for p in layer.parameters()):
+            return False
+        else:
+            groups += [[layer.mlp.gate_proj, layer.mlp.up_proj], [layer.mlp.down_proj]]
     return all(_plain([frozen_layer(module) for module in group]) for group in groups)
+
+
+def _moe_block(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """The layer's mixture-of-experts block where its experts are fused ones expert_lora.py adapts, else None."""
+    experts = getattr(layer.mlp, "experts", None)
+    return layer.mlp if isinstance(experts, torch.nn.Module) and unsupported(experts) is None else None
+
+
+def _run_block(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An MoE block (router, experts, their LoRA: expert_lora.py) on rows ``x`` [tokens, hidden], as the model's
+    layer runs it (on [batch, sequence, hidden]). Nothing in it waits for the host where the experts' products
+    run as grouped GEMMs, so a CUDA graph captures it; where they do not, the capture fails and the decoder
+    decodes without graphs (``graph_error``)."""
+    out = block(x[None])
+    return (out[0] if isinstance(out, tuple) else out)[0]
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -332,16 +356,19 @@ class StaticDecoder:
         self.head = _Projection(model.get_output_embeddings())
         self.shape = LayerShape.of(model)
         self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
-        layer_weights = sum(frozen_layer(module).weight.nbytes for layer in self.layers
-                            for module in (*_attention_projections(layer), *_mlp_projections(layer)))
+        # each layer's MoE block (run as its module), or None where its MLP is plain linears (run as pieces)
+        self.moe = [_moe_block(layer) for layer in self.layers]
+        layer_weights = sum(frozen_layer(module).weight.nbytes for layer, moe in zip(self.layers, self.moe)
+                            for module in (*_attention_projections(layer), *([] if moe else _mlp_projections(layer))))
         self.joined = joined_by_default(self.device, layer_weights) if joined is None else joined
         self.projections = [
             {"qkv": _SharedInput(_attention_projections(layer)[:3], self.joined),
              "o_proj": _Projection(layer.self_attn.o_proj, self.joined),
-             "gate_up": _SharedInput(_mlp_projections(layer)[:2], self.joined),
-             "down_proj": _Projection(layer.mlp.down_proj, self.joined)}
-            for layer in self.layers
+             **({} if moe else {"gate_up": _SharedInput(_mlp_projections(layer)[:2], self.joined),
+                                "down_proj": _Projection(layer.mlp.down_proj, self.joined)})}
+            for layer, moe in zip(self.layers, self.moe)
         ]
+        self._experts_key: tuple | None = None  # the expert factors the captured graphs read (see set_adapter)
         self.slots = self.columns = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -355,6 +382,9 @@ class StaticDecoder:
         self._graphs: dict[tuple[int, int, bool], tuple[Any, torch.Tensor]] = {}
         self.use_graphs = self.device.type == "cuda"
         self.graph_error: str | None = None  # why graphs were switched off, if they were
+        if self.use_graphs and any(self.moe) and not grouped_possible(self.device, self.dtype):
+            # the experts' LoRA would run expert by expert, waiting for the host: no capture is tried
+            self.use_graphs, self.graph_error = False, f"MoE experts in {self.dtype} take no grouped GEMMs here"
         by_default, why_not = compile_by_default(self.device)
         self.compiled = by_default if compiled is None else compiled
         self.compile_error = None if self.compiled else why_not  # why the pieces are not compiled
@@ -403,7 +433,12 @@ class StaticDecoder:
         fresh.append(self.head.load(adapter, compute, loads))
         loads.run()
         self._layer_parts = self._parts()
-        if any(fresh):
+        # An MoE block's expert LoRA is read by its module inside the step: a graph holds the factors (as rounded
+        # for the products) it was captured with, so other factors, or the same ones updated, mean new graphs.
+        experts_key = tuple((adapter, *((t.data_ptr(), t._version) for t in adapters_of(moe.experts).factors.get(adapter, {}).values()))
+                            for moe in self.moe if moe is not None)
+        if any(fresh) or experts_key != self._experts_key:
+            self._experts_key = experts_key
             self._drop_graphs()
 
     def _parts(self) -> list[tuple]:
@@ -413,7 +448,8 @@ class StaticDecoder:
         return [
             (layer.input_layernorm.weight, parts["qkv"].parts(), norm_weight(getattr(layer.self_attn, "q_norm", None)),
              norm_weight(getattr(layer.self_attn, "k_norm", None)), parts["o_proj"].parts(),
-             layer.post_attention_layernorm.weight, parts["gate_up"].parts(), parts["down_proj"].parts())
+             layer.post_attention_layernorm.weight, parts["gate_up"].parts() if "gate_up" in parts else None,
+             parts["down_proj"].parts() if "down_proj" in parts else None)
             for layer, parts in zip(self.layers, self.projections)
         ]
 
@@ -480,16 +516,20 @@ class StaticDecoder:
         layout = PackedLayout.rows(lengths, self.device)
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
         x = self.embed(tokens)
-        for (norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down), keys, values in zip(
-                self._layer_parts, self.keys, self.values):
+        for (norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down), moe, keys, values in zip(
+                self._layer_parts, self.moe, self.keys, self.values):
             q, k, v = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, shape.heads, shape.kv_heads, shape.eps,
                                     shape.qk_eps)
             keys.index_put_(index, k[row_of])
             values.index_put_(index, v[row_of])
             out = packed_causal_attention(q.reshape(len(positions), shape.heads, shape.head_dim), k, v, layout,
                                           shape.scale)
-            x = post_attention(out.reshape(len(positions), shape.heads * shape.head_dim), x, o_proj, post_norm,
-                               gate_up, down, shape.eps)
+            out = out.reshape(len(positions), shape.heads * shape.head_dim)
+            if moe is None:
+                x = post_attention(out, x, o_proj, post_norm, gate_up, down, shape.eps)
+            else:
+                x, normed = attention_residual(out, x, o_proj, post_norm, shape.eps)
+                x = x + _run_block(moe, normed)
         return rms(x, self.norm.weight, shape.eps)
 
     @torch.inference_mode()
@@ -595,14 +635,14 @@ class StaticDecoder:
         wide = (rows, shape.kv_heads)
         index = (self._slot_ids[:rows, None].expand(wide), self._kv_head_ids[None].expand(wide),
                  positions[:, None].expand(wide))
-        pre_attention, attention_weights, post_attention = self._pieces
+        pre_attention, attention_weights, post_attention, attention_residual = self._pieces
         bias = None
         if self.sdpa_attention:  # hidden columns as an additive bias, once per step: [rows, 1, 1, columns]
             bias = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill(hidden, float("-inf"))
         x = self.embed(tokens)
         with _sdpa_backend(self.sdpa_attention and self.device.type == "cuda"):
-            for (norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down), keys, values in zip(
-                    self._layer_parts, self.keys, self.values):
+            for (norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down), moe, keys, values in zip(
+                    self._layer_parts, self.moe, self.keys, self.values):
                 q = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, shape.heads, shape.kv_heads, shape.eps,
                                   shape.qk_eps, keys, values, index)
                 keys, values = keys[:rows, :, :columns], values[:rows, :, :columns]
@@ -611,7 +651,11 @@ class StaticDecoder:
                 else:
                     weights = attention_weights(torch.matmul(q, keys.transpose(-1, -2)), hidden, shape.scale)
                     out = torch.matmul(weights, values)  # [rows, kv heads, group, dim]
-                x = post_attention(out.reshape(rows, shape.heads * shape.head_dim), x, o_proj, post_norm, gate_up,
-                                   down, shape.eps)
+                out = out.reshape(rows, shape.heads * shape.head_dim)
+                if moe is None:
+                    x = post_attention(out, x, o_proj, post_norm, gate_up, down, shape.eps)
+                else:
+                    x, normed = attention_residual(out, x, o_proj, post_norm, shape.eps)
+                    x = x + _run_block(moe, normed)
         # no final soft cap: such models are not taken
         return project(rms(x, self.norm.weight, shape.eps), self.head.parts()).float()

@@ -329,8 +329,8 @@ def check_graphed_training(engine: LocalEngine, replayed: bool = True) -> None:
 
 
 def test_moe_expert_lora_as_grouped_gemms_on_the_gpu(monkeypatch):
-    """bf16 experts on the GPU with a rank-8 LoRA (16-byte rows: grouped GEMMs) give what the expert-by-expert
-    loop gives, forward and backward, and no grouped kernel fell back."""
+    """bf16 experts on the GPU with a rank-4 LoRA (padded to 16-byte rows: grouped GEMMs) give what the
+    expert-by-expert loop gives, forward and backward, and no grouped kernel fell back."""
     import warnings
 
     from localtinker.engine import expert_lora
@@ -338,7 +338,7 @@ def test_moe_expert_lora_as_grouped_gemms_on_the_gpu(monkeypatch):
 
     module = _experts(torch.bfloat16).cuda()
     adapters = expert_lora.adapters_of(module)
-    adapters.add("a", rank=8, scaling=4.0)
+    adapters.add("a", rank=4, scaling=4.0)
     _randomize(adapters.factors["a"], 1)
     adapters.activate("a")
     hidden, index, weights = (t.cuda() for t in _routing(256))
@@ -359,6 +359,32 @@ def test_moe_expert_lora_as_grouped_gemms_on_the_gpu(monkeypatch):
     monkeypatch.setattr(expert_lora, "GROUPED", False)
     for ours, theirs in zip(grouped, run()):
         assert (ours - theirs).norm() <= 0.05 * theirs.norm() + 1e-6  # bf16 through other kernels: ~1% on the CPU
+
+
+def test_moe_decode_graphs_in_bf16_agree_with_the_trainer(tmp_path):
+    """Qwen3-MoE in bf16 with LoRA on its experts (rank 2 each, padded for the grouped GEMMs): each step's MoE
+    blocks run inside the CUDA graph, and the sampler's logprobs are the trainer's within bf16 rounding."""
+    from localtinker.engine.static_decode import pooled_decoders
+
+    engine = LocalEngine(tmp_path, dtype="bfloat16", device="cuda")
+    base = str(family_dir("qwen3_moe"))
+    engine.create_model("cuda:train:moe", base, LoraSpec(rank=4, seed=1))
+    _random_b(engine, "cuda:train:moe")
+    engine.create_ephemeral_sampler("moe", "cuda:train:moe")
+    specs = [SampleSpec(prompt_tokens=tuple(range(200 + i, 230 + 3 * i)), num_samples=2, max_tokens=24, seed=i,
+                        stop_token_ids=()) for i in range(3)]
+    results = engine.sample_batch([("moe", spec) for spec in specs])
+    (decoder,) = pooled_decoders(engine._hosts[base].base.model)
+    assert decoder.use_graphs and decoder.captured_graphs >= 1, decoder.graph_error
+    errors = []
+    for spec, result in zip(specs, results):
+        assert not isinstance(result, Exception), result
+        for sequence in result.sequences:
+            full = np.array(spec.prompt_tokens + tuple(sequence.tokens))
+            trainer = _trainer(engine, "cuda:train:moe", full)[len(spec.prompt_tokens) - 1 :]
+            errors.append(np.abs(np.array(sequence.logprobs) - trainer))
+    errors = np.concatenate(errors)
+    assert errors.mean() < BF16_MEAN and errors.max() < BF16_MAX, (errors.mean(), errors.max())
 
 
 def test_decode_graphs_with_sdpa_attention_agree_with_the_trainer(tmp_path, monkeypatch):

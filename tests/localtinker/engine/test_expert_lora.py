@@ -137,14 +137,16 @@ def test_a_sentinel_choice_adds_nothing():
     torch.testing.assert_close(module(hidden, sentinel, weights), module(hidden, index, dropped))
 
 
-def test_grouped_gemms_equal_the_expert_by_expert_loop(monkeypatch):
+@pytest.mark.parametrize(("dtype", "rank"), [(torch.float32, 4), (torch.float32, 3), (torch.bfloat16, 4)])
+def test_grouped_gemms_equal_the_expert_by_expert_loop(monkeypatch, dtype, rank):
     """The products as grouped GEMMs (one kernel per term for all experts) and expert by expert give the same
-    output and gradients, sentinel choices included (the grouped kernel leaves their rows unwritten)."""
+    output and gradients, sentinel choices included (the grouped kernel leaves their rows unwritten), with the
+    rank padded where its rows are not 16 bytes (3 in float32, 4 in bf16)."""
     from localtinker.engine import expert_lora
 
-    module = _experts()
+    module = _experts(dtype)
     adapters = adapters_of(module)
-    adapters.add("a", rank=4, scaling=8.0)  # 16-byte rows in float32: grouped
+    adapters.add("a", rank=rank, scaling=8.0)
     _randomize(adapters.factors["a"], 7)
     adapters.activate("a")
     hidden, index, weights = _routing(20)
@@ -154,9 +156,9 @@ def test_grouped_gemms_equal_the_expert_by_expert_loop(monkeypatch):
     monkeypatch.setattr(expert_lora.F, "grouped_mm", lambda *a, **k: grouped_calls.append(1) or grouped_mm(*a, **k))
 
     def run() -> tuple[torch.Tensor, ...]:
-        x = hidden.clone().requires_grad_(True)
+        x = hidden.to(dtype).requires_grad_(True)
         out = module(x, index, weights)
-        out.square().sum().backward()
+        out.float().square().sum().backward()
         grads = tuple(factor.grad.clone() for factor in adapters.factors["a"].values())
         for factor in adapters.factors["a"].values():
             factor.grad = None
@@ -168,7 +170,10 @@ def test_grouped_gemms_equal_the_expert_by_expert_loop(monkeypatch):
     looped = run()
     assert len(grouped_calls) == 6
     for ours, theirs in zip(grouped, looped):
-        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+        if dtype == torch.float32:
+            torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+        else:  # bf16 through other kernels: ~1% (the loop is exercised against float64 above)
+            assert (ours.float() - theirs.float()).norm() <= 0.05 * theirs.float().norm()
     assert looped[1][::4].abs().max() > 0  # a token with a sentinel choice still has its other choice's gradient
 
 

@@ -183,7 +183,61 @@ def test_adapters_decoding_at_once_keep_their_own_factors(engines, joined):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_supported_families(family):
     model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32)
-    assert static_decode_supported(model) == (family in {"llama", "qwen2", "qwen3", "mistral"})
+    assert static_decode_supported(model) == (family in {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe"})
+    assert static_decode_supported(model, moe=False) == (family in {"llama", "qwen2", "qwen3", "mistral"})
+
+
+def test_moe_layers_decode_as_over_the_dynamic_cache(engines):
+    """Qwen3-MoE: each layer's MoE block runs as its own module inside the static step (router, experts and
+    the experts' LoRA). Adapters on the experts and on attention only, and the base model, decode the tokens
+    and logprobs transformers' layers decode over the dynamic cache, one pooled decoder serving them in turn."""
+    base = str(family_dir("qwen3_moe"))
+    specs = [SampleSpec(prompt_tokens=(1, 17, 300, 4000, 22), num_samples=3, max_tokens=10, seed=3,
+                        stop_token_ids=(), prompt_logprobs=True),
+             SampleSpec(prompt_tokens=(9, 8, 7), num_samples=2, max_tokens=7, seed=4, stop_token_ids=())]
+    results = {}
+    for name, engine in engines.items():
+        samplers = []
+        for index, lora in enumerate((LoraSpec(rank=4, seed=21), LoraSpec(rank=4, seed=22, train_mlp=False))):
+            model_id = f"{name}:train:moe-{index}"
+            engine.create_model(model_id, base, lora)
+            generator = torch.Generator().manual_seed(30 + index)
+            with torch.no_grad():
+                for key, param in engine._models[model_id].params.items():
+                    if key.endswith("lora_B"):
+                        param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+            engine.create_ephemeral_sampler(f"sampler-moe-{index}-{name}", model_id)
+            samplers.append(f"sampler-moe-{index}-{name}")
+        engine.create_sampler(f"sampler-moe-base-{name}", base, None)
+        samplers.append(f"sampler-moe-base-{name}")
+        results[name] = [result for sampler in samplers
+                         for result in engine.sample_batch([(sampler, spec) for spec in specs])]
+    _assert_same(results["static"], results["dynamic"])
+    model = engines["static"]._hosts[base].base.model
+    pooled = model.__dict__.get("_localtinker_static_decoders", [])
+    assert pooled and all(moe is not None for decoder in pooled for moe in decoder.moe)
+
+
+def test_new_expert_factors_drop_the_captured_graphs():
+    """A captured step holds the experts' LoRA factors it was captured with: loading other ones, or the same
+    ones updated in place (a new snapshot), drops the graphs; loading the same ones again keeps them."""
+    from localtinker.engine.lora import AdapterHost
+
+    model = AutoModelForCausalLM.from_pretrained(family_dir("qwen3_moe"), dtype=torch.float32)
+    host = AdapterHost(model)
+    first, second = host.add_adapter(LoraSpec(rank=4, seed=0), 0), host.add_adapter(LoraSpec(rank=4, seed=1), 1)
+    decoder = StaticDecoder(model)
+    decoder.set_adapter(first)
+    decoder._graphs[(8, MIN_COLUMNS, False)] = (None, None)  # a stand-in for a captured graph
+    decoder.set_adapter(first)
+    assert decoder.captured_graphs == 1
+    with torch.no_grad():
+        host.parameters(first)["model.layers.0.mlp.experts.down_proj.lora_B"].add_(0.1)
+    decoder.set_adapter(first)
+    assert decoder.captured_graphs == 0
+    decoder._graphs[(8, MIN_COLUMNS, False)] = (None, None)
+    decoder.set_adapter(second)
+    assert decoder.captured_graphs == 0
 
 
 def test_step_refuses_rows_beyond_its_reservation():
