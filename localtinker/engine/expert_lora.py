@@ -63,6 +63,9 @@ def unsupported(module: torch.nn.Module) -> str | None:
     forward = inspect.signature(type(module).forward)  # through functools.wraps to the class's own forward
     if list(forward.parameters)[1:] != _FORWARD_ARGUMENTS or not hasattr(module, "act_fn"):
         return f"its forward takes {list(forward.parameters)[1:]}, not {_FORWARD_ARGUMENTS} with an act_fn"
+    gating = getattr(type(module), "_apply_gate", None)  # transformers' default: act(gate) · up, as computed here
+    if gating is not None and gating.__qualname__ != "_default_apply_gate":
+        return f"it gates its own way ({type(module).__name__}._apply_gate)"
     return None
 
 

@@ -182,6 +182,14 @@ def test_layouts_it_does_not_adapt_are_named():
     assert unsupported(module) is None
     module.is_transposed = True
     assert unsupported(module) == "it has transposed weights"
+
+    class Clamped(Qwen3MoeExperts):
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.act_fn(gate.clamp(max=7)) * up
+
+    clamped = Clamped(Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS))
+    assert unsupported(clamped) == "it gates its own way (Clamped._apply_gate)"
     plain = torch.nn.Module()
     plain.gate_up_proj = torch.nn.Parameter(torch.zeros(2, 8, 4))
     assert "parameters are ['gate_up_proj']" in unsupported(plain)
