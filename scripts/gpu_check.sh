@@ -2,7 +2,7 @@
 # One-shot check of localtinker's CUDA path on a machine with a CUDA GPU, torch, transformers and peft but no
 # package index: installs any wheels it is handed, runs the `gpu` tests and bench/bench_gpu.py, and writes a
 # report (printed too). About 8 minutes on one H100 (tests: 11 of them took 120-140 s, most of it compiling the
-# training pieces for each tiny family, and 20 now; bench ~260 s before its CUDA-graph, shared-prompt and
+# training pieces for each tiny family, and 21 now; bench ~260 s before its CUDA-graph, shared-prompt and
 # decode-variant rows),
 # at most 300 s + 480 s: where one command may run 600 s, run PARTS=tests and PARTS=bench as two.
 #
