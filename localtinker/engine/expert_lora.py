@@ -168,13 +168,19 @@ def gate_up_factors(factors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tor
     return a, b
 
 
+def parameter_factors(factors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{fused parameter: (A, B)} of an adapter's per-projection expert factors: ``gate_up_proj`` takes the gate
+    and up LoRAs as one (:func:`gate_up_factors`), ``down_proj`` the down LoRA."""
+    return {"gate_up_proj": gate_up_factors(factors),
+            "down_proj": (factors["down_proj.lora_A"], factors["down_proj.lora_B"])}
+
+
 def _product_factors(factors: dict[str, torch.Tensor], scaling: float,
                      compute: torch.dtype | None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{parameter: (A, (s·B)ᵀ)}, in ``compute`` (None: as they are), the rank padded with zeros to 16 bytes of
     the product's rows (what grouped GEMMs take: a rank-4 LoRA in bf16 has 8)."""
-    pairs = {"gate_up_proj": gate_up_factors(factors), "down_proj": (factors["down_proj.lora_A"], factors["down_proj.lora_B"])}
     out = {}
-    for parameter, (a, b) in pairs.items():
+    for parameter, (a, b) in parameter_factors(factors).items():
         a, b_t = a.to(compute or a.dtype), (b * scaling).transpose(1, 2).to(compute or b.dtype)
         pad = -a.shape[1] % max(1, 16 // a.element_size())
         if pad:

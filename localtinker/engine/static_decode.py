@@ -101,8 +101,8 @@ def _moe_block(layer: torch.nn.Module) -> torch.nn.Module | None:
 def _run_block(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """An MoE block (router, experts, their LoRA: expert_lora.py) on rows ``x`` [tokens, hidden], as the model's
     layer runs it (on [batch, sequence, hidden]). Nothing in it waits for the host where the experts' products
-    run as grouped GEMMs, so a CUDA graph captures it; where they do not, the capture fails and the decoder
-    decodes without graphs (``graph_error``)."""
+    run as grouped GEMMs, so a CUDA graph captures it; where they cannot (``expert_lora.grouped_possible``), the
+    decoder decodes without graphs from the start (``graph_error`` says why)."""
     out = block(x[None])
     return (out[0] if isinstance(out, tuple) else out)[0]
 
@@ -435,8 +435,9 @@ class StaticDecoder:
         self._layer_parts = self._parts()
         # An MoE block's expert LoRA is read by its module inside the step: a graph holds the factors (as rounded
         # for the products) it was captured with, so other factors, or the same ones updated, mean new graphs.
-        experts_key = tuple((adapter, *((t.data_ptr(), t._version) for t in adapters_of(moe.experts).factors.get(adapter, {}).values()))
-                            for moe in self.moe if moe is not None)
+        experts_key = tuple(
+            (adapter, *((t.data_ptr(), t._version) for t in adapters_of(moe.experts).factors.get(adapter, {}).values()))
+            for moe in self.moe if moe is not None)
         if any(fresh) or experts_key != self._experts_key:
             self._experts_key = experts_key
             self._drop_graphs()

@@ -7,7 +7,7 @@ in its first dimension shared by every expert, and the config's alpha / rank as 
 fuses the experts into ``gate_up_proj`` [experts, 2·inter, hidden] and ``down_proj`` [experts, hidden, inter],
 which peft adapts as ``target_parameters`` — one wrapper per parameter, nested, the first registered
 innermost, with A [experts·r, in] (expert-major) and B [out, r·experts] (expert-minor). The gate and up LoRAs
-become one of their summed rank on ``gate_up_proj`` (localtinker's ``expert_lora.gate_up_factors``: A stacked,
+become one of their summed rank on ``gate_up_proj`` (localtinker's ``expert_lora.parameter_factors``: A stacked,
 B block-diagonal), and ``rank_pattern`` / ``alpha_pattern`` keep each parameter's rank and the scaling.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from localtinker.engine.expert_lora import EXPERT_PARAMETERS, gate_up_factors
+from localtinker.engine.expert_lora import EXPERT_PARAMETERS, parameter_factors
 from posttrain.export.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ExportError
 
 _PROJECTIONS = {"gate_proj": "gate_proj", "w1": "gate_proj", "up_proj": "up_proj", "w3": "up_proj",
@@ -63,16 +63,17 @@ def experts_as_peft(weights: dict[str, torch.Tensor], config: dict) -> tuple[dic
             raise ExportError(f"the adapter's experts at {path} lack {missing}: gate, up and down are converted together")
         count = max(t.shape[0] for t in factors.values())
         factors = {name: t.expand(count, -1, -1) if t.shape[0] == 1 else t for name, t in factors.items()}
-        pairs = {"gate_up_proj": gate_up_factors(factors), "down_proj": (factors["down_proj.lora_A"], factors["down_proj.lora_B"])}
-        for parameter, (a, b) in pairs.items():
+        for parameter, (a, b) in parameter_factors(factors).items():
             wrapper = path + ".base_layer" * (len(EXPERT_PARAMETERS) - 1 - EXPERT_PARAMETERS.index(parameter))
             converted[f"{wrapper}.lora_A.weight"] = a.reshape(-1, a.shape[-1]).contiguous()  # [E, r, in] -> [E·r, in]
             converted[f"{wrapper}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()  # [out, r·E]
             target = f"{path.removeprefix('base_model.model.').split('layers.', 1)[-1].partition('.')[2]}.{parameter}"
             if ranks.setdefault(target, a.shape[1]) != a.shape[1]:
-                raise ExportError(f"the adapter's {target} LoRAs differ in rank from layer to layer; peft takes one per name")
+                raise ExportError(f"the adapter's {target} LoRAs differ in rank from layer to layer; peft takes one "
+                                  "rank per name")
     patterns = {rf".*\.{re.escape(target)}": rank for target, rank in ranks.items()}
-    dense = {key.removesuffix(".weight").rpartition(".")[0].rpartition(".")[2] for key, t in converted.items() if t.dim() == 2}
+    dense = {key.removesuffix(".weight").rpartition(".")[0].rpartition(".")[2]  # the linears' names
+             for key, t in converted.items() if t.dim() == 2}
     config = {**config,
               "target_modules": sorted(name for name in config.get("target_modules") or []
                                        if name not in _PROJECTIONS or name in dense) or None,

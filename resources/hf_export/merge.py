@@ -70,7 +70,8 @@ def _merge_parameter(modules: dict, tensors, name: str, config: dict, base: str)
     if not targeted:
         return False
     if depth >= len(targeted):
-        raise ExportError(f"the adapter nests {depth + 1} LoRA wrappers on {name}, which has {len(targeted)} targeted parameters")
+        raise ExportError(f"the adapter nests {depth + 1} LoRA wrappers on {name}, which has {len(targeted)} "
+                          "targeted parameters")
     param = targeted[len(targeted) - 1 - depth]
     weight = getattr(module, param)
     experts, out_features, in_features = weight.shape
@@ -84,7 +85,8 @@ def _merge_parameter(modules: dict, tensors, name: str, config: dict, base: str)
             f"{base!r} has {tuple(weight.shape)}: the checkpoint was trained on another base model"
         )
     delta = lora_b.view(out_features, rank, experts).permute(2, 0, 1) @ lora_a.view(experts, rank, in_features)
-    delta *= _pattern(config, "alpha_pattern", "lora_alpha", f"{name}.{param}") / _pattern(config, "rank_pattern", "r", f"{name}.{param}")
+    target = f"{name}.{param}"
+    delta *= _pattern(config, "alpha_pattern", "lora_alpha", target) / _pattern(config, "rank_pattern", "r", target)
     weight.copy_((weight.float() + delta).to(weight.dtype))
     return True
 

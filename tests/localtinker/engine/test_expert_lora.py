@@ -198,7 +198,8 @@ def test_layouts_it_does_not_adapt_are_named():
 @pytest.mark.parametrize("portable", [None, True])
 def test_experts_alone_learn_and_round_trip_through_a_checkpoint(tmp_path, portable):
     """A Qwen3-MoE trained with LoRA on its experts only (no attention, no unembedding): each expert's rank is
-    the adapter's over the experts per token, the loss falls, every expert factor trains, and a checkpoint's state gives the same logprobs in a new training client."""
+    the adapter's over the experts per token, the loss falls, every expert factor trains, and a checkpoint's
+    state gives the same logprobs in a new training client."""
     engine = LocalEngine(tmp_path, dtype="float32", portable=portable)
     lora = LoraSpec(rank=4, seed=0, train_attn=False, train_unembed=False)
     engine.create_model("moe", str(family_dir("qwen3_moe")), lora)

@@ -63,7 +63,8 @@ def _reference(family: str, lora: LoraSpec, weights: dict[str, torch.Tensor], tm
     return peft_model
 
 
-def _peft_grads(grads: dict[str, torch.Tensor], reference: torch.nn.Module, lora: LoraSpec) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+def _peft_grads(grads: dict[str, torch.Tensor], reference: torch.nn.Module,
+                lora: LoraSpec) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(key, ours, peft's) per PEFT tensor. Where the engine's gate and up LoRAs go as one block-diagonal LoRA,
     peft's off-diagonal entries (zeros the engine does not train) are left out of the comparison."""
     named = dict(reference.named_parameters())
