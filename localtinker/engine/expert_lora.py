@@ -200,12 +200,11 @@ class _Groups:
     A product is one grouped GEMM per term (``F.grouped_mm``: the base product, x Aᵀ and (x Aᵀ)(s·B)ᵀ, three
     kernels for all experts, no host sync) where :func:`grouped_possible` and every operand's rows are 16-byte
     aligned, as its kernels require (the factors' rank is padded for that); otherwise expert by expert, with one
-    host sync for the group sizes. The kernel leaves the rows past
-    the last group (sentinels) unwritten, in its output and in its input's gradient: both are masked."""
+    host sync for the group sizes. The kernel leaves the rows past the last group (sentinels) unwritten, in its
+    output and in its input's gradient: both are masked."""
 
     def __init__(self, expert_ids: torch.Tensor, experts: int) -> None:
         sorted_ids, self.order = torch.sort(expert_ids, stable=True)
-        self.experts = experts
         # histc ignores ids past its range (the sentinels) and, unlike bincount, does not sync to size its output
         self.sizes = torch.histc(sorted_ids.float(), bins=experts, min=0, max=experts - 1)
         self.offsets = self.sizes.cumsum(0).to(torch.int32)
