@@ -1,7 +1,7 @@
 """LoRA on fused MoE experts (expert_lora.py): what the family test (peft's own target_parameters LoRA as the
 reference) does not reach — bf16 experts with float32 factors, adapters side by side on one experts
-module, rounded factors kept only until they change, expert-parallel sentinels, and training that learns and
-round-trips through a checkpoint."""
+module, rounded factors kept only until they change, expert-parallel sentinels, training that learns and
+round-trips through a checkpoint, and the other families of the layout (Mixtral, Qwen2-MoE's shared expert)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from localtinker.engine.api import AdamSpec, DatumArrays, LoraSpec
+from localtinker.engine.api import AdamSpec, DatumArrays, LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.expert_lora import adapters_of, unsupported
 from tests.localtinker.engine.families import family_dir
@@ -222,3 +222,49 @@ def test_experts_alone_learn_and_round_trip_through_a_checkpoint(tmp_path, porta
     first = engine.forward_backward("moe", [datum], "cross_entropy", None, True).loss_fn_outputs[0]["logprobs"]
     again = engine.forward_backward("moe-again", [datum], "cross_entropy", None, True).loss_fn_outputs[0]["logprobs"]
     np.testing.assert_array_equal(first, again)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_other_moe_families_of_the_layout_train_and_sample(tmp_path, family):
+    """Mixtral, and Qwen2-MoE whose layers add a shared expert of plain linears (adapted by peft, its experts
+    here): the expert LoRA trains (the loss falls) and the sampler's logprobs are the trainer's."""
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig
+
+    common = dict(vocab_size=49152, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    config = (MixtralConfig(**common, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K) if family == "mixtral" else
+              Qwen2MoeConfig(**common, moe_intermediate_size=INTER, shared_expert_intermediate_size=64,
+                             num_experts=EXPERTS, num_experts_per_tok=TOP_K))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(0, 0.05)
+    engine = LocalEngine(tmp_path, dtype="float32")
+    engine.add_base_model(family, model)
+    engine.create_model("moe", family, LoraSpec(rank=4, seed=0))
+    mlp = {key.removeprefix("model.layers.0.mlp.") for key in engine.lora_weights("moe") if ".layers.0.mlp." in key}
+    expected = {f"experts.{p}.lora_{f}" for p in ("gate_proj", "up_proj", "down_proj") for f in "AB"}
+    if family == "qwen2_moe":
+        expected |= {f"shared_expert.{p}.lora_{f}" for p in ("gate_proj", "up_proj", "down_proj") for f in "AB"}
+    assert mlp == expected
+    tokens = np.random.default_rng(0).integers(0, 49152, size=20)
+    datum = DatumArrays(tokens=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:],
+                                                            "weights": np.ones(len(tokens) - 1, np.float32)})
+    losses = []
+    for _ in range(4):
+        result = engine.forward_backward("moe", [datum], "cross_entropy", None, False)
+        losses.append(-float(result.loss_fn_outputs[0]["logprobs"].sum()))
+        engine.optim_step("moe", AdamSpec(learning_rate=0.02))
+    assert losses[-1] < losses[0] - 1.0, losses
+    engine.create_ephemeral_sampler("sampler", "moe")
+    spec = SampleSpec(prompt_tokens=(1, 2, 3), num_samples=2, max_tokens=6, seed=1, stop_token_ids=())
+    (sampled,) = engine.sample_batch([("sampler", spec)])
+    assert not isinstance(sampled, Exception), sampled
+    for sequence in sampled.sequences:
+        full = np.array(spec.prompt_tokens + tuple(sequence.tokens))
+        datum = DatumArrays(tokens=full[:-1], loss_fn_inputs={"target_tokens": full[1:],
+                                                              "weights": np.ones(len(full) - 1, np.float32)})
+        trainer = engine.forward_backward("moe", [datum], "cross_entropy", None, True).loss_fn_outputs[0]["logprobs"]
+        np.testing.assert_allclose(sequence.logprobs, trainer[len(spec.prompt_tokens) - 1 :], atol=1e-5, rtol=0)
