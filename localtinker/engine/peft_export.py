@@ -9,7 +9,7 @@ LoRA on an MoE's fused experts (expert_lora.py) is written as Tinker writes it: 
 and factor, ``<experts>.gate_proj.lora_A.weight`` [experts, r, in] and ``.lora_B.weight`` [experts, out, r]
 (likewise ``up_proj``, ``down_proj``), with the config's rank and alpha giving its scaling — what
 tinker-cookbook's weight tools read. peft on transformers 5 cannot load that as it is;
-``resources/hf_export/experts.py`` turns it into peft's ``target_parameters`` form.
+``resources/hf_export/tinker_format.py`` turns it into peft's ``target_parameters`` form.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import torch
 from posttrain.export.adapter import ExportError, adapter_base_model, checkpoint_kind, download_adapter
 from posttrain.export.verify import ServerLogprobs, max_gap, model_logprobs, prompt_tokens
 
-from .experts import convert_expert_adapter
+from .tinker_format import convert_tinker_adapter
 from .gguf_file import write_gguf
 from .merge import merge_into
 
@@ -99,7 +99,7 @@ def _export_into(service, rest, path, staging, base_model, base_source, merged, 
     adapter_dir = staging / "adapter"
     adapter_dir.mkdir()
     download_adapter(service, rest, path, adapter_dir)
-    convert_expert_adapter(adapter_dir)  # an MoE's expert LoRA (Tinker's 3-D form) in the form peft loads
+    convert_tinker_adapter(adapter_dir)  # Tinker's names and MoE expert tensors in the form peft loads
     trained_on = adapter_base_model(adapter_dir)
     if trained_on and trained_on != base_model:
         raise ExportError(f"{path} was trained on {trained_on!r}, not {base_model!r}; export it with its own base model")

@@ -4,7 +4,7 @@ sliding windows included), and sampler logprobs equal the trainer's, on the CPU'
 portable path (the CUDA path's code, run here on the CPU), with either of its samplers. Qwen3-MoE's experts
 carry LoRA too (expert_lora.py): its reference is peft's own ``target_parameters`` LoRA, loaded by
 ``PeftModel.from_pretrained`` from the adapter the engine exports, in the form the project's export gives it
-(resources/hf_export/experts.py)."""
+(resources/hf_export/tinker_format.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from localtinker.engine.api import DatumArrays, EngineUserError, LoraSpec, Sampl
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.lora import LORA_ALPHA, target_module_names
 from localtinker.engine.peft_export import peft_key, write_peft_adapter
-from resources.hf_export.experts import convert_expert_adapter, experts_as_peft
+from resources.hf_export.tinker_format import convert_tinker_adapter, experts_as_peft
 from tests.localtinker.engine.families import FAMILIES, family_dir
 
 LORA = LoraSpec(rank=4, seed=0)
@@ -52,7 +52,7 @@ def _reference(family: str, lora: LoraSpec, weights: dict[str, torch.Tensor], tm
     model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32)
     if any(tensor.dim() == 3 for tensor in weights.values()):  # fused experts: peft's target_parameters LoRA
         write_peft_adapter(tmp_path, weights, str(family_dir(family)), lora)
-        assert convert_expert_adapter(tmp_path)
+        assert convert_tinker_adapter(tmp_path)
         return PeftModel.from_pretrained(model, tmp_path, is_trainable=True)
     peft_model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=LORA_ALPHA, target_modules=target_module_names(lora)))
     named = dict(peft_model.named_parameters())

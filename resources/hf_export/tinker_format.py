@@ -1,4 +1,8 @@
-"""A Tinker-format LoRA on an MoE's experts, turned into peft's ``target_parameters`` form in place.
+"""A Tinker-format adapter turned into the form peft loads, in place: its unembedding and its MoE experts.
+
+Hosted Tinker names the unembedding's LoRA ``model.unembed_tokens`` (tinker-cookbook's merge maps it to
+``lm_head``); peft's name is ``lm_head``, which localtinker's downloads use already. Merged, a tied model's head is
+untied first (merge.py), so the input embeddings stay the base model's, as in training.
 
 Tinker's adapters (hosted, and localtinker's: ``localtinker/engine/peft_export.py``) carry an MoE layer's expert
 LoRA as one 3-D tensor per projection and factor: ``<experts>.gate_proj.lora_A.weight`` [experts, r, in],
@@ -28,17 +32,34 @@ _PROJECTIONS = {"gate_proj": "gate_proj", "w1": "gate_proj", "up_proj": "up_proj
 _FACTORS = ("lora_A", "lora_B")
 
 
-def convert_expert_adapter(adapter_dir: Path) -> bool:
-    """Rewrites ``adapter_dir``'s adapter in peft's form where it holds 3-D expert factors; False (untouched)
-    where it holds none."""
+_UNEMBED = "base_model.model.model.unembed_tokens."
+_HEAD = "base_model.model.lm_head."
+
+
+def convert_tinker_adapter(adapter_dir: Path) -> bool:
+    """Rewrites ``adapter_dir``'s adapter in the form peft loads where it is in Tinker's (an ``unembed_tokens``
+    LoRA, 3-D expert factors); False (untouched) where it is peft's already."""
     weights = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
-    if not any(tensor.dim() == 3 for tensor in weights.values()):
+    if not any(tensor.dim() == 3 or key.startswith(_UNEMBED) for key, tensor in weights.items()):
         return False
     config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    weights, config = experts_as_peft(weights, config)
+    weights, config = unembed_as_head(weights, config)
+    if any(tensor.dim() == 3 for tensor in weights.values()):
+        weights, config = experts_as_peft(weights, config)
     save_file(weights, str(adapter_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (adapter_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
     return True
+
+
+def unembed_as_head(weights: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """(weights, config) with an ``unembed_tokens`` LoRA named ``lm_head``, as peft names the unembedding."""
+    if not any(key.startswith(_UNEMBED) for key in weights):
+        return weights, config
+    renamed = {(_HEAD + key.removeprefix(_UNEMBED) if key.startswith(_UNEMBED) else key): t for key, t in weights.items()}
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        targets = sorted({"lm_head" if name == "unembed_tokens" else name for name in targets} | {"lm_head"})
+    return renamed, {**config, "target_modules": targets}
 
 
 def experts_as_peft(weights: dict[str, torch.Tensor], config: dict) -> tuple[dict[str, torch.Tensor], dict]:

@@ -1,6 +1,8 @@
-"""Tinker-format expert LoRA (3-D factors per projection) into peft's target_parameters form: the layout peft
-reads, Tinker's other names and shared factors, and clear errors for what cannot be converted. That peft then
-computes the engine's function is checked by test_families.py (Qwen3-MoE) and test_export.py."""
+"""Tinker-format adapters into the form peft loads: the ``unembed_tokens`` name hosted Tinker gives the
+unembedding (checked end to end: peft and the merged model compute what the engine computed), and expert LoRA
+(3-D factors per projection) into peft's target_parameters form — the layout peft reads, Tinker's other names
+and shared factors, and clear errors for what cannot be converted. That peft then computes the engine's function
+for experts is checked by test_families.py (Qwen3-MoE) and test_export.py."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from posttrain.export.adapter import ExportError
-from resources.hf_export.experts import convert_expert_adapter, experts_as_peft
+from resources.hf_export.tinker_format import convert_tinker_adapter, experts_as_peft, unembed_as_head
 
 EXPERTS, RANK, HIDDEN, INTER = 3, 2, 8, 4
 PATH = "base_model.model.model.layers.0.mlp.experts"
@@ -77,6 +79,62 @@ def test_what_cannot_be_converted_is_named(tmp_path: Path):
     dense = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(8, HIDDEN)}
     save_file(dense, str(tmp_path / "adapter_model.safetensors"))
     (tmp_path / "adapter_config.json").write_text(json.dumps(CONFIG))
-    assert not convert_expert_adapter(tmp_path)  # nothing 3-D: the files stay as they are
+    assert not convert_tinker_adapter(tmp_path)  # peft's form already: the files stay as they are
     assert load_file(str(tmp_path / "adapter_model.safetensors")).keys() == dense.keys()
     assert json.loads((tmp_path / "adapter_config.json").read_text()) == CONFIG
+
+
+def test_a_hosted_unembed_tokens_lora_loads_in_peft_and_merges_as_the_engine_computes(tmp_path: Path):
+    """An adapter with its unembedding LoRA under hosted Tinker's name, on a tied model: converted, peft loads it
+    and computes the engine's logprobs, and the merged model (its head untied) does too."""
+    import numpy as np
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from localtinker.engine.api import DatumArrays, LoraSpec
+    from localtinker.engine.engine import LocalEngine
+    from localtinker.engine.models import tiny_random_dir
+    from localtinker.engine.peft_export import write_peft_adapter
+    from resources.hf_export.merge import merge_into
+
+    base = str(tiny_random_dir())
+    engine = LocalEngine(tmp_path / "engine", dtype="float32")
+    spec = LoraSpec(rank=4, seed=0)
+    engine.create_model("m", base, spec)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for key, param in engine._models["m"].params.items():
+            if key.endswith("lora_B"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    tokens = np.random.default_rng(0).integers(0, 1000, size=12)
+    datum = DatumArrays(tokens=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:], "weights": np.ones(11, np.float32)})
+    ours = engine.forward_backward("m", [datum], "cross_entropy", None, True).loss_fn_outputs[0]["logprobs"]
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    write_peft_adapter(adapter, engine.lora_weights("m"), base, spec)
+    hosted = {key.replace("base_model.model.lm_head.", "base_model.model.model.unembed_tokens."): t
+              for key, t in load_file(str(adapter / "adapter_model.safetensors")).items()}
+    assert any(".unembed_tokens." in key for key in hosted)
+    save_file(hosted, str(adapter / "adapter_model.safetensors"))
+    assert convert_tinker_adapter(adapter)
+    assert "lm_head" in json.loads((adapter / "adapter_config.json").read_text())["target_modules"]
+
+    def logprobs(model: torch.nn.Module) -> np.ndarray:
+        logits = model(input_ids=torch.as_tensor(tokens[:-1])[None]).logits[0]
+        return logits.log_softmax(-1).gather(-1, torch.as_tensor(tokens[1:])[:, None]).squeeze(-1).detach().numpy()
+
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+    np.testing.assert_allclose(logprobs(loaded), ours, atol=1e-5)
+    merged = loaded.unload()
+    merge_into(merged, adapter, base)
+    np.testing.assert_allclose(logprobs(merged), ours, atol=1e-4)
+    plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    assert np.abs(logprobs(plain) - ours).max() > 1e-3  # the adapter, the head's LoRA with it, changes them
+
+
+def test_unembed_tokens_is_renamed_in_keys_and_targets():
+    weights = {"base_model.model.model.unembed_tokens.lora_A.weight": torch.ones(2, 8),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 8)}
+    renamed, config = unembed_as_head(weights, {"target_modules": ["q_proj", "unembed_tokens"]})
+    assert set(renamed) == {"base_model.model.lm_head.lora_A.weight", "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"}
+    assert config["target_modules"] == ["lm_head", "q_proj"]
