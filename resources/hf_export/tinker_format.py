@@ -30,9 +30,7 @@ from posttrain.export.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ExportErro
 _PROJECTIONS = {"gate_proj": "gate_proj", "w1": "gate_proj", "up_proj": "up_proj", "w3": "up_proj",
                 "down_proj": "down_proj", "w2": "down_proj"}
 _FACTORS = ("lora_A", "lora_B")
-
-
-_UNEMBED = "base_model.model.model.unembed_tokens."
+_UNEMBED = "base_model.model.model.unembed_tokens."  # hosted Tinker's name for the unembedding's LoRA
 _HEAD = "base_model.model.lm_head."
 
 
