@@ -361,10 +361,15 @@ def test_moe_expert_lora_as_grouped_gemms_on_the_gpu(monkeypatch):
         assert (ours - theirs).norm() <= 0.05 * theirs.norm() + 1e-6  # bf16 through other kernels: ~1% on the CPU
 
 
-def test_moe_decode_graphs_in_bf16_agree_with_the_trainer(tmp_path):
+def test_moe_decode_graphs_in_bf16_agree_with_the_trainer(tmp_path, monkeypatch):
     """Qwen3-MoE in bf16 with LoRA on its experts (rank 2 each, padded for the grouped GEMMs): each step's MoE
-    blocks run inside the CUDA graph, and the sampler's logprobs are the trainer's within bf16 rounding."""
+    blocks run inside the CUDA graph, and the sampler's logprobs are the trainer's within bf16 rounding. The
+    pieces and the log-softmax run uncompiled (their compiled forms are the other tests'): nothing compiles here."""
+    from localtinker.engine.decode_layer import COMPILE_ENV, TRAIN_COMPILE_ENV
     from localtinker.engine.static_decode import pooled_decoders
+
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    monkeypatch.setenv(TRAIN_COMPILE_ENV, "0")
 
     engine = LocalEngine(tmp_path, dtype="bfloat16", device="cuda")
     base = str(family_dir("qwen3_moe"))
