@@ -100,12 +100,18 @@ def test_bf16_sampler_matches_the_trainer(cuda_bf16):
     cuda_bf16.create_ephemeral_sampler("cuda-sampler", "cuda:train:sample")
     specs = [SampleSpec(prompt_tokens=tuple(range(100 + 7 * i, 120 + 9 * i)), num_samples=4, max_tokens=24, seed=i,
                         stop_token_ids=()) for i in range(4)]
+    results = cuda_bf16.sample_batch([("cuda-sampler", spec) for spec in specs])
+    _assert_bf16_sampler_is_the_trainer(cuda_bf16, "cuda:train:sample", specs, results)
+
+
+def _assert_bf16_sampler_is_the_trainer(engine: LocalEngine, model_id: str, specs: list, results: list) -> None:
+    """The sampled tokens' logprobs against the trainer's on the same tokens, within bf16 rounding."""
     errors = []
-    for spec, result in zip(specs, cuda_bf16.sample_batch([("cuda-sampler", spec) for spec in specs])):
+    for spec, result in zip(specs, results):
         assert not isinstance(result, Exception), result
         for sequence in result.sequences:
             full = np.array(spec.prompt_tokens + tuple(sequence.tokens))
-            trainer = _trainer(cuda_bf16, "cuda:train:sample", full)[len(spec.prompt_tokens) - 1 :]
+            trainer = _trainer(engine, model_id, full)[len(spec.prompt_tokens) - 1 :]
             errors.append(np.abs(np.array(sequence.logprobs) - trainer))
     errors = np.concatenate(errors)
     assert errors.mean() < BF16_MEAN and errors.max() < BF16_MAX, (errors.mean(), errors.max())
@@ -381,15 +387,7 @@ def test_moe_decode_graphs_in_bf16_agree_with_the_trainer(tmp_path, monkeypatch)
     results = engine.sample_batch([("moe", spec) for spec in specs])
     (decoder,) = pooled_decoders(engine._hosts[base].base.model)
     assert decoder.use_graphs and decoder.captured_graphs >= 1, decoder.graph_error
-    errors = []
-    for spec, result in zip(specs, results):
-        assert not isinstance(result, Exception), result
-        for sequence in result.sequences:
-            full = np.array(spec.prompt_tokens + tuple(sequence.tokens))
-            trainer = _trainer(engine, "cuda:train:moe", full)[len(spec.prompt_tokens) - 1 :]
-            errors.append(np.abs(np.array(sequence.logprobs) - trainer))
-    errors = np.concatenate(errors)
-    assert errors.mean() < BF16_MEAN and errors.max() < BF16_MAX, (errors.mean(), errors.max())
+    _assert_bf16_sampler_is_the_trainer(engine, "cuda:train:moe", specs, results)
 
 
 def test_decode_graphs_with_sdpa_attention_agree_with_the_trainer(tmp_path, monkeypatch):

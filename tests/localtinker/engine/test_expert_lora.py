@@ -11,10 +11,11 @@ import torch
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from localtinker.engine.api import AdamSpec, DatumArrays, LoraSpec, SampleSpec
+from localtinker.engine.api import AdamSpec, LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.expert_lora import adapters_of, unsupported
 from tests.localtinker.engine.families import family_dir
+from tests.localtinker.engine.test_families import _datum
 
 EXPERTS, HIDDEN, INTER, TOP_K = 4, 64, 32, 2
 
@@ -52,6 +53,16 @@ def _reference(module: Qwen3MoeExperts, factors: dict[str, torch.Tensor], scalin
             y = (down[e] + delta["down_proj"][e]) @ (torch.nn.functional.silu(gate) * up)
             out[token] += weights[token, choice].double() * y
     return out
+
+
+def _assert_training_lowers_the_loss(engine: LocalEngine, datum, steps: int) -> None:
+    """``steps`` SFT steps of model ``moe`` on ``datum``: its loss falls by more than a nat."""
+    losses = []
+    for _ in range(steps):
+        result = engine.forward_backward("moe", [datum], "cross_entropy", None, False)
+        losses.append(-float(result.loss_fn_outputs[0]["logprobs"].sum()))
+        engine.optim_step("moe", AdamSpec(learning_rate=0.02))
+    assert losses[-1] < losses[0] - 1.0, losses
 
 
 def _randomize(factors: dict[str, torch.Tensor], seed: int, scale: float = 0.1) -> None:
@@ -207,15 +218,8 @@ def test_experts_alone_learn_and_round_trip_through_a_checkpoint(tmp_path, porta
     assert {key.rsplit(".", 2)[-2] for key in weights} == {"gate_proj", "up_proj", "down_proj"}
     # each expert's rank: the adapter's 4 over the 2 experts a token goes through
     assert weights["model.layers.0.mlp.experts.gate_proj.lora_A"].shape == (EXPERTS, 2, HIDDEN)
-    tokens = np.random.default_rng(0).integers(0, 49152, size=24)
-    datum = DatumArrays(tokens=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:],
-                                                            "weights": np.ones(len(tokens) - 1, np.float32)})
-    losses = []
-    for _ in range(6):
-        result = engine.forward_backward("moe", [datum], "cross_entropy", None, False)
-        losses.append(-float(result.loss_fn_outputs[0]["logprobs"].sum()))
-        engine.optim_step("moe", AdamSpec(learning_rate=0.02))
-    assert losses[-1] < losses[0] - 1.0, losses
+    datum = _datum(np.random.default_rng(0).integers(0, 49152, size=24))
+    _assert_training_lowers_the_loss(engine, datum, steps=6)
     assert all(tensor.abs().max() > 0 for key, tensor in engine.lora_weights("moe").items() if key.endswith("lora_B"))
     path = engine.save_state("moe", "trained")
     engine.load_state("moe-again", path, with_optimizer=True, base_model=None)
@@ -249,22 +253,13 @@ def test_other_moe_families_of_the_layout_train_and_sample(tmp_path, family):
     if family == "qwen2_moe":
         expected |= {f"shared_expert.{p}.lora_{f}" for p in ("gate_proj", "up_proj", "down_proj") for f in "AB"}
     assert mlp == expected
-    tokens = np.random.default_rng(0).integers(0, 49152, size=20)
-    datum = DatumArrays(tokens=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:],
-                                                            "weights": np.ones(len(tokens) - 1, np.float32)})
-    losses = []
-    for _ in range(4):
-        result = engine.forward_backward("moe", [datum], "cross_entropy", None, False)
-        losses.append(-float(result.loss_fn_outputs[0]["logprobs"].sum()))
-        engine.optim_step("moe", AdamSpec(learning_rate=0.02))
-    assert losses[-1] < losses[0] - 1.0, losses
+    datum = _datum(np.random.default_rng(0).integers(0, 49152, size=20))
+    _assert_training_lowers_the_loss(engine, datum, steps=4)
     engine.create_ephemeral_sampler("sampler", "moe")
     spec = SampleSpec(prompt_tokens=(1, 2, 3), num_samples=2, max_tokens=6, seed=1, stop_token_ids=())
     (sampled,) = engine.sample_batch([("sampler", spec)])
     assert not isinstance(sampled, Exception), sampled
     for sequence in sampled.sequences:
         full = np.array(spec.prompt_tokens + tuple(sequence.tokens))
-        datum = DatumArrays(tokens=full[:-1], loss_fn_inputs={"target_tokens": full[1:],
-                                                              "weights": np.ones(len(full) - 1, np.float32)})
-        trainer = engine.forward_backward("moe", [datum], "cross_entropy", None, True).loss_fn_outputs[0]["logprobs"]
+        trainer = engine.forward_backward("moe", [_datum(full)], "cross_entropy", None, True).loss_fn_outputs[0]["logprobs"]
         np.testing.assert_allclose(sequence.logprobs, trainer[len(spec.prompt_tokens) - 1 :], atol=1e-5, rtol=0)
