@@ -1,6 +1,6 @@
 """tinker-cookbook's own merge (``tinker_cookbook.weights.build_hf_model``) on localtinker downloads of a tiny
-Qwen3-MoE, against the engine's logprobs: the check that an MoE adapter's 3-D expert factors and its one
-scaling are read as Tinker's are.
+Qwen3-MoE and a tiny gpt-oss, against the engine's logprobs: the check that an MoE adapter's 3-D expert factors
+and its one scaling are read as Tinker's are (for gpt-oss: merged into its transposed, interleaved experts).
 
 tinker-cookbook 0.6.1 does not install with this project's pins (it needs tml-renderers >= 0.4.1), so it is not
 a test dependency; its weight tools import without the rest:
@@ -37,17 +37,25 @@ def _logprobs(model: torch.nn.Module, tokens: np.ndarray) -> np.ndarray:
 
 
 def main() -> None:
-    base = str(family_dir("qwen3_moe"))
+    for family in ("qwen3_moe", "gpt_oss"):
+        check(family)
+
+
+def check(family: str) -> None:
+    base = str(family_dir(family))
     tokens = np.random.default_rng(0).integers(0, 49152, size=24)
     base_logprobs = _logprobs(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), tokens)
-    # the unembedding left out: the tiny model ties it to the embeddings, which the cookbook's merge does not untie
-    for spec in (LoraSpec(rank=4, seed=1, train_attn=False, train_unembed=False), LoraSpec(rank=4, seed=0, train_unembed=False)):
+    # the tiny Qwen3-MoE's unembedding is left out: it is tied to the embeddings, which the cookbook's merge would
+    # change too (docs/export.md); gpt-oss's is not tied
+    untied = family == "gpt_oss"
+    for spec in (LoraSpec(rank=4, seed=1, train_attn=False, train_unembed=False),
+                 LoraSpec(rank=4, seed=0, train_unembed=untied)):
         with tempfile.TemporaryDirectory() as scratch:
             engine = LocalEngine(Path(scratch) / "engine", dtype="float32")
             engine.create_model("moe", base, spec)
             for _ in range(4):
                 engine.forward_backward("moe", [_datum(tokens)], "cross_entropy", None, False)
-                engine.optim_step("moe", AdamSpec(learning_rate=0.05))
+                engine.optim_step("moe", AdamSpec(learning_rate=0.01 if untied else 0.05))
             adapter = Path(scratch) / "adapter"
             adapter.mkdir()
             write_peft_adapter(adapter, engine.lora_weights("moe"), base, spec)  # what a download holds
@@ -55,7 +63,7 @@ def main() -> None:
             build_hf_model(base_model=base, adapter_path=str(adapter), output_path=str(Path(scratch) / "merged"))
             merged = _logprobs(AutoModelForCausalLM.from_pretrained(Path(scratch) / "merged", dtype=torch.float32), tokens)
             ours = engine.forward_backward("moe", [_datum(tokens)], "cross_entropy", None, True).loss_fn_outputs[0]["logprobs"]
-            print(f"attn={spec.train_attn} mlp={spec.train_mlp}: cookbook merged vs engine {np.abs(ours - merged).max():.2e}, "
+            print(f"{family} attn={spec.train_attn} unembed={spec.train_unembed}: cookbook merged vs engine {np.abs(ours - merged).max():.2e}, "
                   f"engine vs base {np.abs(ours - base_logprobs).max():.3f}")
 
 

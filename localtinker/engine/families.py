@@ -5,6 +5,11 @@ Gemma 2 and 3 cap their logits (``cap·tanh(logits / cap)``) inside ``ForCausalL
 bypasses (it unembeds only the positions it needs), so the cap is applied by the engine's own head functions.
 Sliding-window layers and attention-logit soft caps are beyond the CPU path's attention kernels: such models
 run the portable path (the CUDA path's code) on the CPU too.
+
+gpt-oss's checkpoints keep the experts in MXFP4 (4-bit values, a shared exponent per 32). transformers would keep
+them so where Triton and the ``kernels`` package are installed (replacing the experts with modules no LoRA
+reaches, and fetching kernels from the hub), and dequantize them elsewhere: :func:`load_options` always asks for
+the dequantized weights, so a base model trains the same on every machine.
 """
 
 from __future__ import annotations
@@ -46,3 +51,14 @@ def cpu_kernels_cover(config: Any) -> bool:
     """Whether the CPU path's tuned attention and head serve this model (no soft caps, no sliding windows)."""
     text = text_config(config)
     return not (final_softcap(config) or getattr(text, "attn_logit_softcapping", None) or uses_sliding_windows(config))
+
+
+def load_options(config: Any) -> dict[str, Any]:
+    """Extra ``from_pretrained`` options for a base model that is trained: MXFP4 experts dequantized (see above)."""
+    quantization = getattr(config, "quantization_config", None)
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    if str(getattr(method, "value", method)) == "mxfp4":
+        from transformers import Mxfp4Config
+
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
+    return {}

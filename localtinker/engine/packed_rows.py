@@ -2,14 +2,18 @@
 
 Each datum keeps its own positions (0, 1, ...) and attends only to itself: on CUDA the flash varlen kernel
 takes the rows' boundaries (``cu_seq_lens``, portable_attention.py); elsewhere transformers reads the
-restarting position ids as packed sequences and builds the block-diagonal causal mask. No token is padding,
+restarting position ids as packed sequences and builds the block-diagonal causal mask (or, for a model whose
+forward builds its masks without the position ids, gpt-oss's in transformers 5, this module builds them the same
+way and hands them in: :func:`packed_masks`). No token is padding,
 so chat-like batches of 20- and 500-token rows cost their real tokens only. Through the written-out layers
 (packed_layers.py), datums that share a prompt (a GRPO group, a DPO pair) run it once (packed_layout.py).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,10 +53,18 @@ def device_microbatch_tokens(config: object, device: torch.device, ceiling: int)
 
 def takes_varlen(decoder: torch.nn.Module, device: torch.device) -> bool:
     """Whether packed rows run through the flash varlen kernel: a CUDA device, bf16/fp16 weights (flash has no
-    float32), and no attention soft cap (Gemma 2's goes through the masked product instead)."""
+    float32), no attention soft cap and no attention sinks (Gemma 2's cap and gpt-oss's sinks go through the
+    masked product instead)."""
     config = decoder.config.get_text_config() if hasattr(decoder.config, "get_text_config") else decoder.config
     half = next(decoder.parameters()).dtype in (torch.bfloat16, torch.float16)
-    return varlen_available(device) and half and not getattr(config, "attn_logit_softcapping", None)
+    return (varlen_available(device) and half and not getattr(config, "attn_logit_softcapping", None)
+            and not has_attention_sinks(decoder))
+
+
+def has_attention_sinks(decoder: torch.nn.Module) -> bool:
+    """Whether the decoder's attention layers have sinks (gpt-oss: a learned logit per head, ``sinks``)."""
+    return any(isinstance(getattr(getattr(layer, "self_attn", None), "sinks", None), torch.Tensor)
+               for layer in getattr(decoder, "layers", ()))
 
 
 def packed_token_rows(
@@ -77,11 +89,38 @@ def packed_rows(decoder: torch.nn.Module, batch: PackedBatch, device: torch.devi
         if layout.shared:
             raise RuntimeError("a micro-batch laid out with shared prompts needs the written-out layers "
                                "(packed_token_rows shares only where they compute the active adapter)")
-        with varlen_rows(takes_varlen(decoder, device)):
+        varlen = takes_varlen(decoder, device)
+        inputs: dict = {"input_ids": input_ids[None]}
+        if not varlen and _masks_ignore_positions(type(decoder)):
+            embeds = decoder.embed_tokens(input_ids[None])
+            inputs = {"inputs_embeds": embeds, "attention_mask": packed_masks(decoder, embeds, position_ids[None])}
+        with varlen_rows(varlen):
             hidden = decoder(
-                input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
-                cu_seq_lens_q=layout.cu_q, cu_seq_lens_k=layout.cu_k, max_length_q=layout.max_q,
-                max_length_k=layout.max_k,
+                **inputs, position_ids=position_ids[None], use_cache=False, cu_seq_lens_q=layout.cu_q,
+                cu_seq_lens_k=layout.cu_k, max_length_q=layout.max_q, max_length_k=layout.max_k,
             ).last_hidden_state[0]
     # The rows stay on the host: the loss gathers them in one copy (engine._micro_batch_loss).
     return TokenRows(hidden, batch.targets.to(device, non_blocking=True), batch.datum_rows)
+
+
+def packed_masks(decoder: torch.nn.Module, embeds: torch.Tensor, position_ids: torch.Tensor) -> dict:
+    """Each layer type's block-diagonal causal mask of the packed rows (transformers' own mask functions, given
+    the restarting position ids), for a decoder that would build its masks without them, so that every packed
+    datum would attend to the datums before it (gpt-oss in transformers 5)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    arguments = dict(config=decoder.config, inputs_embeds=embeds, attention_mask=None, past_key_values=None,
+                     position_ids=position_ids)
+    return {"full_attention": create_causal_mask(**arguments),
+            "sliding_attention": create_sliding_window_causal_mask(**arguments)}
+
+
+@lru_cache(maxsize=None)
+def _masks_ignore_positions(decoder_class: type) -> bool:
+    """Whether this decoder class's forward takes ready masks by layer type (a dict) but builds its own without
+    the position ids (transformers 5's idiom for both, read from its source)."""
+    try:
+        source = inspect.getsource(decoder_class.forward)
+    except (OSError, TypeError):
+        return False
+    return "isinstance(causal_mask_mapping := attention_mask, dict)" in source and '"position_ids": position_ids' not in source

@@ -5,8 +5,12 @@ plus what sdpa lacks.
   torch has ``torch.nn.attention.varlen.varlen_attn`` (flash varlen, torch ≥ 2.10) that kernel runs them with
   no mask at all. Elsewhere transformers' packed-sequence mask (block-diagonal causal, sliding windows
   included) goes to sdpa, which is the same function.
-- Gemma 2's attention-logit soft cap (``softcap``), which sdpa cannot apply, runs as an explicit product with
-  ``cap·tanh(scores/cap)`` before the mask and the float32 softmax (transformers' eager formula).
+- Gemma 2's attention-logit soft cap (``softcap``) and gpt-oss's attention sinks (``s_aux``: a learned logit per
+  head that takes a share of the softmax and no value), which sdpa cannot apply, run as an explicit product
+  (:func:`explicit_attention`: transformers' eager formulas, the softmax in float32); sinks without a cap go
+  through sdpa with the sink as one more key (:func:`sink_attention`), which keeps no scores for the backward.
+  The flash varlen kernel has neither, so packed rows of such models take transformers' packed-sequence mask
+  instead (packed_rows.py).
 """
 
 from __future__ import annotations
@@ -69,26 +73,32 @@ def portable_attention(
 ) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    softcap = kwargs.get("softcap")
-    if _varlen_rows.get() and kwargs.get("cu_seq_lens_q") is not None and softcap is None:
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if _varlen_rows.get() and kwargs.get("cu_seq_lens_q") is not None and softcap is None and sinks is None:
         return _varlen_attention(query, key, value, kwargs), None
-    if softcap is not None:
-        return softcapped_attention(query, key, value, attention_mask, kwargs.get("scaling"), softcap), None
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("softcap", "sliding_window")}
+    if softcap is None and sinks is not None:
+        return sink_attention(query, key, value, attention_mask, kwargs.get("scaling"), sinks), None
+    if softcap is not None or sinks is not None:
+        return explicit_attention(query, key, value, attention_mask, kwargs.get("scaling"), softcap, sinks), None
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("softcap", "sliding_window", "s_aux")}
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0], None
 
 
-def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                         scaling: float | None, softcap: float) -> torch.Tensor:
-    """softmax(cap·tanh(q·kᵀ·scaling / cap) + mask)·v, softmax in float32; ``mask`` is sdpa's boolean
-    [batch, 1, queries, keys] (True = visible), a float bias, or None (causal). Returns [batch, queries, heads, d]."""
+def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                       scaling: float | None, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(cap·tanh(q·kᵀ·scaling / cap) + mask)·v, the softmax in float32; ``mask`` is sdpa's boolean
+    [batch, 1, queries, keys] (True = visible), a float bias, or None (causal). With ``sinks`` [heads], each
+    head's sink logit joins every row's softmax as one more column whose weight is dropped (gpt-oss): a row's
+    weights then sum to less than 1. Returns [batch, queries, heads, d]."""
     heads, key_heads = query.shape[1], key.shape[1]
     if heads != key_heads:
         key = key.repeat_interleave(heads // key_heads, dim=1)
         value = value.repeat_interleave(heads // key_heads, dim=1)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     queries, keys = scores.shape[-2], scores.shape[-1]
     if mask is None:
         mask = torch.ones((queries, keys), dtype=torch.bool, device=query.device).tril(keys - queries)
@@ -96,8 +106,45 @@ def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         scores = scores.masked_fill(~mask[..., -keys:], torch.finfo(torch.float32).min)
     else:
         scores = scores + mask[..., -keys:].float()
-    weights = torch.softmax(scores, dim=-1).to(value.dtype)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1).to(value.dtype)
+    else:
+        column = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1].to(value.dtype)
     return torch.matmul(weights, value).transpose(1, 2).contiguous()
+
+
+def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                   scaling: float | None, sinks: torch.Tensor) -> torch.Tensor:
+    """:func:`explicit_attention` with ``sinks`` and no soft cap, through sdpa: its memory-efficient kernels keep
+    no [queries × keys] scores for the backward, where the explicit product keeps them in float32 for every
+    layer (a packed micro-batch of 4096 tokens and gpt-oss-20b's 64 heads: 4 GiB a layer). Each head's sink is
+    one more key, in front of the others, with a zero value, visible to every query, whose score is the sink:
+    the queries get one more component, 1, the keys 0 and the sink key sink / scaling (the dimensions padded by
+    8, as the kernels take them), so every other score is unchanged. Returns [batch, queries, heads, d]."""
+    batch, heads, queries, dim = query.shape
+    keys, group = key.shape[2], heads // key.shape[1]
+    scale = dim**-0.5 if scaling is None else scaling
+    if group > 1:  # one sink per query head: the keys are expanded to the query heads
+        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    extra = query.new_zeros((batch, heads, queries, 8))
+    extra[..., 0] = 1
+    sink_key = key.new_zeros((batch, heads, 1, dim + 8))
+    sink_key[..., 0, dim] = (sinks.float() / scale).to(key.dtype)
+    q = torch.cat((query, extra), dim=-1)
+    k = torch.cat((sink_key, torch.cat((key, key.new_zeros((batch, heads, keys, 8))), dim=-1)), dim=2)
+    v = torch.cat((value.new_zeros((batch, heads, 1, dim + 8)), torch.cat((value, value.new_zeros(
+        (batch, heads, keys, 8))), dim=-1)), dim=2)  # (the same width as q and k: every sdpa kernel takes that)
+    if mask is None:
+        mask = torch.ones((queries, keys), dtype=torch.bool, device=query.device).tril(keys - queries)[None, None]
+    visible = mask[..., -keys:]
+    if visible.dtype == torch.bool:
+        sink_column = torch.ones((*visible.shape[:-1], 1), dtype=torch.bool, device=visible.device)
+    else:
+        sink_column = torch.zeros((*visible.shape[:-1], 1), dtype=visible.dtype, device=visible.device)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=torch.cat((sink_column, visible), -1),
+                                                           scale=scale)
+    return out[..., :dim].transpose(1, 2).contiguous()
 
 
 @lru_cache(maxsize=1)

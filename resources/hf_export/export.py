@@ -22,9 +22,10 @@ import tinker
 import torch
 
 from posttrain.export.adapter import ExportError, adapter_base_model, checkpoint_kind, download_adapter
+from localtinker.engine.families import load_options
 from posttrain.export.verify import ServerLogprobs, max_gap, model_logprobs, prompt_tokens
 
-from .tinker_format import convert_tinker_adapter
+from .tinker_format import base_layout, convert_tinker_adapter
 from .gguf_file import write_gguf
 from .merge import merge_into
 
@@ -84,7 +85,7 @@ def export_checkpoint(
 
 def _export_into(service, rest, path, staging, base_model, base_source, merged, gguf, report) -> None:
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     started = tick = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(base_source)
@@ -99,13 +100,15 @@ def _export_into(service, rest, path, staging, base_model, base_source, merged, 
     adapter_dir = staging / "adapter"
     adapter_dir.mkdir()
     download_adapter(service, rest, path, adapter_dir)
-    convert_tinker_adapter(adapter_dir)  # Tinker's names and MoE expert tensors in the form peft loads
+    convert_tinker_adapter(adapter_dir, base_layout(base_source))  # Tinker's names and MoE experts as peft loads them
     trained_on = adapter_base_model(adapter_dir)
     if trained_on and trained_on != base_model:
         raise ExportError(f"{path} was trained on {trained_on!r}, not {base_model!r}; export it with its own base model")
     tick = _timed(report, "download", tick)
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_source, dtype=torch.float32), str(adapter_dir)).eval()
+    options = load_options(AutoConfig.from_pretrained(base_source))  # MXFP4 experts dequantized, as trained
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_source, dtype=torch.float32, **options),
+                                      str(adapter_dir)).eval()
     tick = _timed(report, "load", tick)
     server = expected.result() if expected is not None else None
     if server is not None:
@@ -115,6 +118,7 @@ def _export_into(service, rest, path, staging, base_model, base_source, merged, 
         base = model.unload()  # the base model again: the adapter's layers removed, its weights untouched
         del model
         merge_into(base, adapter_dir, base_source)
+        _forget_dequantization(base)
         base.save_pretrained(staging / "merged", safe_serialization=True)
         tokenizer.save_pretrained(staging / "merged")  # tokenizer files and its chat template
         del base
@@ -125,6 +129,17 @@ def _export_into(service, rest, path, staging, base_model, base_source, merged, 
     report.within_tolerance = (report.adapter_max_abs_logprob_diff or 0.0) <= ADAPTER_TOLERANCE and max(
         report.merged_max_abs_logprob_diff or 0.0, report.gguf_max_abs_logprob_diff or 0.0
     ) <= MERGED_TOLERANCE
+
+
+def _forget_dequantization(model: torch.nn.Module) -> None:
+    """Makes a base model loaded with its MXFP4 experts dequantized (families.load_options) save them as the dense
+    tensors they now are: transformers reverses its load-time conversions on saving, and the reverse of the
+    dequantization only renames, so the merged model's dense experts would be written under the quantized names
+    (``*_blocks``), which nothing loads."""
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions:
+        model._weight_conversions = [conversion for conversion in conversions if not any(
+            "Dequantize" in type(operation).__name__ for operation in getattr(conversion, "operations", ()))]
 
 
 def _verify_merged_files(prompts, server, staging: Path, gguf: bool, report: ExportReport, tick: float) -> None:

@@ -8,7 +8,8 @@ A LoRA on an MoE layer's fused 3-D expert parameters (peft's ``target_parameters
 peft nests one wrapper per targeted parameter of a module, the first registered innermost, so the factors of
 ``<experts>.base_layer`` belong to the first (``gate_up_proj``) and those of ``<experts>`` to the last
 (``down_proj``); A is [experts·r, in], B [out, r·experts]; ``rank_pattern`` / ``alpha_pattern`` set a
-parameter's own rank and alpha (the gate and up LoRAs fused into one of rank 2r).
+parameter's own rank and alpha (the gate and up LoRAs fused into one of rank 2r). A transposed parameter
+(gpt-oss: [experts, in, out]) takes the delta transposed.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def _merge_parameter(modules: dict, tensors, name: str, config: dict, base: str)
                           "targeted parameters")
     param = targeted[len(targeted) - 1 - depth]
     weight = getattr(module, param)
-    experts, out_features, in_features = weight.shape
+    transposed = bool(getattr(module, "is_transposed", False))  # [E, in, out] (gpt-oss) rather than [E, out, in]
+    experts, out_features, in_features = (weight.shape[0], weight.shape[2], weight.shape[1]) if transposed else weight.shape
     key = f"{_PREFIX}{name}{'.base_layer' * depth}"
     lora_a = tensors.get_tensor(f"{key}.lora_A.weight").float()
     lora_b = tensors.get_tensor(f"{key}.lora_B.weight").float()
@@ -87,7 +89,7 @@ def _merge_parameter(modules: dict, tensors, name: str, config: dict, base: str)
     delta = lora_b.view(out_features, rank, experts).permute(2, 0, 1) @ lora_a.view(experts, rank, in_features)
     target = f"{name}.{param}"
     delta *= _pattern(config, "alpha_pattern", "lora_alpha", target) / _pattern(config, "rank_pattern", "r", target)
-    weight.copy_((weight.float() + delta).to(weight.dtype))
+    weight.copy_((weight.float() + (delta.transpose(1, 2) if transposed else delta)).to(weight.dtype))
     return True
 
 

@@ -21,7 +21,8 @@ _COMMON = dict(
 
 def _configs() -> dict[str, object]:
     from transformers import (
-        Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
+        Gemma2Config, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     return {
@@ -37,10 +38,16 @@ def _configs() -> dict[str, object]:
                                         final_logit_softcapping=3.0),
         "qwen3_moe": Qwen3MoeConfig(**_COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4,
                                     num_experts_per_tok=2, tie_word_embeddings=True),
+        # attention sinks, biases everywhere, sliding windows on alternate layers, experts transposed with gate and
+        # up interleaved and gated their own way
+        "gpt_oss": GptOssConfig(**{**_COMMON, "intermediate_size": 96}, head_dim=16, num_local_experts=4,
+                                num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False,
+                                layer_types=["sliding_attention", "full_attention"]),
     }
 
 
-FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_moe")
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_moe", "gpt_oss")
+_JITTERED = ("norm", "sinks", "bias")  # parameters that start at exactly 1 or 0 (biases and sinks: gpt-oss's only)
 
 
 def family_dir(family: str) -> Path:
@@ -58,10 +65,60 @@ def family_dir(family: str) -> Path:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             with torch.no_grad():  # norms start at exactly 1 (or 0): jitter them so a dropped scale shows
                 for name, param in model.named_parameters():
-                    if "norm" in name:
+                    if any(part in name for part in (_JITTERED if family == "gpt_oss" else _JITTERED[:1])):
                         param.add_(torch.randn_like(param) * 0.1)
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         return family
 
     return cached_model_dir(localtinker_home() / "models" / f"test-family-{family}-{_VERSION}", build)
+
+
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # E2M1's magnitudes; codes 8-15 are their negatives
+
+
+def mxfp4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [experts, in, out] (transformers' gpt-oss layout) in the MXFP4 checkpoint schema: blocks uint8
+    [experts, out, in / 32, 16] (two 4-bit codes a byte, the even element in the low nibble) and scales uint8
+    [experts, out, in / 32] (each block's power of two, biased by 127), rounded to the nearest value."""
+    rows = weight.transpose(1, 2).float()  # [E, out, in], as checkpoints store it
+    blocks = rows.reshape(*rows.shape[:2], -1, 32)
+    largest = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=2.0**-100)
+    exponent = torch.ceil(torch.log2(largest / 6.0))  # the block's largest value at most 6 after scaling
+    scaled = blocks / torch.exp2(exponent)
+    magnitudes = torch.tensor(_FP4_VALUES)
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1) + 8 * (scaled < 0)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return packed, (exponent[..., 0] + 127).to(torch.uint8)
+
+
+def mxfp4_family_dir() -> Path:
+    """The tiny gpt-oss (``family_dir("gpt_oss")``) as its checkpoints come from the hub: experts in MXFP4
+    (``*_blocks`` / ``*_scales`` tensors, ``quantization_config.quant_method = "mxfp4"``), the rest as it was."""
+
+    def build(staging: Path) -> str:
+        import json
+        import shutil
+
+        from safetensors.torch import load_file, save_file
+
+        source = family_dir("gpt_oss")
+        for path in source.iterdir():
+            if path.suffix != ".safetensors":
+                shutil.copy(path, staging / path.name)
+        tensors = {}
+        for shard in sorted(source.glob("*.safetensors")):
+            for key, tensor in load_file(str(shard)).items():
+                if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                    tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = mxfp4_blocks(tensor)
+                else:
+                    tensors[key] = tensor
+        (staging / "model.safetensors.index.json").unlink(missing_ok=True)
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((staging / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        return "gpt_oss in mxfp4"
+
+    return cached_model_dir(localtinker_home() / "models" / f"test-family-gpt_oss-mxfp4-{_VERSION}", build)

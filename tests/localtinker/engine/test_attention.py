@@ -10,6 +10,7 @@ from transformers.integrations import sdpa_attention
 import localtinker.engine.attention as attention
 from localtinker.engine.attention import NAME, engine_attention, product_attention, use_engine_attention
 from localtinker.engine.models import tiny_random_dir
+from localtinker.engine.portable_attention import portable_attention
 
 HEADS, KEY_HEADS, DIM = 6, 2, 16
 
@@ -100,7 +101,7 @@ def test_routing_bf16_products_within_the_bound_sdpa_in_float32_beyond(monkeypat
     engine_attention(_module(), query, key, value, None, scaling=0.3)
     assert calls == []  # bf16 products
     engine_attention(_module(), query.float(), key.float(), value.float(), None, scaling=0.3)
-    engine_attention(_module(), query, key, value, None, scaling=0.3, softcap=30.0)
+    engine_attention(_module(), query, key, value, None, scaling=0.3, sliding_window=4)
     engine_attention(_module(), query, key, value, torch.zeros(2, 1, 8, 8), scaling=0.3)  # an additive mask
     monkeypatch.setattr(attention, "MAX_SCORES", 2 * HEADS * 8 * 8 - 1)
     engine_attention(_module(), query, key, value, None, scaling=0.3)
@@ -130,3 +131,53 @@ def test_gradients_flow_through_the_engine_attention():
     model(inputs_embeds=embeddings).logits.float().logsumexp(-1).sum().backward()
     assert embeddings.grad is not None and embeddings.grad.dtype == torch.bfloat16
     assert bool(embeddings.grad.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("attend", [engine_attention, portable_attention])
+def test_attention_sinks_and_soft_caps_take_transformers_eager_formulas(attend):
+    """gpt-oss's sinks (a logit per head that takes a share of every row's softmax and no value) and Gemma 2's
+    soft cap, which no sdpa applies: both attentions compute transformers' own eager functions, in float32,
+    under a causal mask given as sdpa's boolean mask (eager's is additive)."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
+
+    query, key, value = (t.detach().float() for t in _leaves(2, 7, 7))
+    visible = torch.ones(7, 7, dtype=torch.bool).tril()[None, None].expand(2, 1, 7, 7)
+    additive = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+    module = _module()
+    module.training = False
+    module.sinks = torch.randn(HEADS, generator=torch.Generator().manual_seed(3)) * 2
+    expected, _ = gpt_oss_eager(module, query, key, value, additive, scaling=0.3)
+    out, _ = attend(module, query, key, value, visible, scaling=0.3, s_aux=module.sinks)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    plain, _ = attend(module, query, key, value, visible, scaling=0.3)
+    assert (plain - expected).abs().max() > 1e-2  # the sinks matter at these sizes
+    module.config = type("Config", (), {"attn_logit_softcapping": 5.0})()
+    expected, _ = gemma2_eager(module, query, key, value, additive, scaling=0.3, softcap=5.0)
+    out, _ = attend(module, query, key, value, visible, scaling=0.3, softcap=5.0)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_sinks_through_sdpa_equal_the_explicit_product():
+    """portable_attention.sink_attention (the sink as one more key, through sdpa: no scores kept for the backward)
+    computes what the explicit product does, values and gradients, under a causal mask, sdpa's boolean mask with
+    rows at different offsets (keys before the queries), an additive mask, and grouped key heads."""
+    from localtinker.engine.portable_attention import explicit_attention, sink_attention
+
+    sinks = torch.randn(HEADS, generator=torch.Generator().manual_seed(4)) * 2
+    for queries, keys in ((7, 7), (3, 9)):
+        visible = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)[None, None].expand(2, 1, -1, -1)
+        visible = visible.clone()
+        visible[1, :, :, :2] = False  # the second row's first keys are padding
+        additive = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+        for mask in (None, visible, additive):
+            leaves = [t.detach().float().requires_grad_(True) for t in _leaves(2, queries, keys)]
+            outputs = []
+            for attend in (sink_attention, explicit_attention):
+                out = attend(*leaves, mask if mask is not None or queries == keys else visible, 0.3, sinks=sinks)
+                (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+                outputs.append((out.detach(), *(t.grad.clone() for t in leaves)))
+                for t in leaves:
+                    t.grad = None
+            for ours, theirs in zip(*outputs):
+                torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)  # float32, other kernels

@@ -18,6 +18,7 @@ from tests.localtinker.engine.families import family_dir
 from tests.localtinker.engine.test_families import _datum
 
 EXPERTS, HIDDEN, INTER, TOP_K = 4, 64, 32, 2
+GPT_OSS_INTER = 24  # gate_up [E, 64, 48]: no square weight hides a transposition
 
 
 def _experts(dtype: torch.dtype = torch.float32) -> Qwen3MoeExperts:
@@ -191,19 +192,80 @@ def test_grouped_gemms_equal_the_expert_by_expert_loop(monkeypatch, dtype, rank)
 def test_layouts_it_does_not_adapt_are_named():
     module = _experts()
     assert unsupported(module) is None
-    module.is_transposed = True
-    assert unsupported(module) == "it has transposed weights"
-
-    class Clamped(Qwen3MoeExperts):
-        def _apply_gate(self, gate_up):
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.act_fn(gate.clamp(max=7)) * up
-
-    clamped = Clamped(Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS))
-    assert unsupported(clamped) == "it gates its own way (Clamped._apply_gate)"
+    module.is_transposed = True  # flagged transposed, shaped as not
+    assert unsupported(module) == (f"gate_up_proj {(EXPERTS, 2 * INTER, HIDDEN)} and down_proj {(EXPERTS, HIDDEN, INTER)} "
+                                   "are not [E, H, 2I] and [E, I, H]")
+    module.is_transposed, module.has_post_expert_norm = False, True
+    assert unsupported(module) == "it has a norm after each expert"
+    module.has_post_expert_norm, module.has_bias = False, True
+    assert unsupported(module) == ("its parameters are ['gate_up_proj', 'down_proj'], not ['gate_up_proj', "
+                                   "'gate_up_proj_bias', 'down_proj', 'down_proj_bias']")
     plain = torch.nn.Module()
     plain.gate_up_proj = torch.nn.Parameter(torch.zeros(2, 8, 4))
     assert "parameters are ['gate_up_proj']" in unsupported(plain)
+
+
+def _gpt_oss_experts() -> torch.nn.Module:
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    module = GptOssExperts(GptOssConfig(hidden_size=HIDDEN, intermediate_size=GPT_OSS_INTER, num_local_experts=EXPERTS,
+                                        num_experts_per_tok=TOP_K))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.5)  # large enough to reach the clamps
+    return module
+
+
+def _gpt_oss_reference(module: torch.nn.Module, factors: dict[str, torch.Tensor], scaling: float, hidden, index,
+                       weights) -> torch.Tensor:
+    """gpt-oss's experts in float64 with each expert's LoRA deltas folded into its transposed weights, gate
+    columns at even and up columns at odd positions of gate_up, biases added, then its own clamped gate."""
+    delta = {p: scaling * factors[f"{p}.lora_B"].double() @ factors[f"{p}.lora_A"].double()
+             for p in ("gate_proj", "up_proj", "down_proj")}  # [E, out, in]
+    gate_up = module.gate_up_proj.detach().double().clone()  # [E, H, 2I]
+    gate_up[:, :, 0::2] += delta["gate_proj"].transpose(1, 2)
+    gate_up[:, :, 1::2] += delta["up_proj"].transpose(1, 2)
+    down = module.down_proj.detach().double() + delta["down_proj"].transpose(1, 2)  # [E, I, H]
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for token in range(hidden.shape[0]):
+        for choice in range(index.shape[1]):
+            e = int(index[token, choice])
+            h = hidden[token].double() @ gate_up[e] + module.gate_up_proj_bias[e].detach().double()
+            y = module._apply_gate(h) @ down[e] + module.down_proj_bias[e].detach().double()
+            out[token] += weights[token, choice].double() * y
+    return out
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_gpt_oss_experts_transposed_interleaved_biased_and_clamped(monkeypatch, grouped):
+    """gpt-oss's layout (expert_lora.Layout): weights [E, in, out], gate and up interleaved, a bias per expert,
+    its clamped SwiGLU. The LoRA forward equals the float64 reference with the deltas folded in, as grouped GEMMs
+    and expert by expert; a sentinel choice adds nothing; every factor takes a gradient."""
+    from localtinker.engine import expert_lora
+
+    monkeypatch.setattr(expert_lora, "GROUPED", grouped)
+    module = _gpt_oss_experts()
+    assert unsupported(module) is None
+    adapters = adapters_of(module)
+    adapters.add("a", rank=3, scaling=8.0)
+    _randomize(adapters.factors["a"], 7)
+    adapters.activate("a")
+    assert adapters.factors["a"]["gate_proj.lora_B"].shape == (EXPERTS, GPT_OSS_INTER, 3)
+    assert adapters.factors["a"]["down_proj.lora_A"].shape == (EXPERTS, 3, GPT_OSS_INTER)
+    hidden, index, weights = _routing(16)
+    expected = _gpt_oss_reference(module, adapters.factors["a"], 8.0, hidden, index, weights)
+    out = module(hidden, index, weights)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    pre = hidden @ module.gate_up_proj[0].detach() + module.gate_up_proj_bias[0].detach()
+    assert (pre.abs() > module.limit).any()  # the clamps of its gate are reached, so the test covers them
+    out.square().sum().backward()
+    assert all(factor.grad.abs().max() > 0 for factor in adapters.factors["a"].values())
+    index[::3, 1] = EXPERTS  # expert parallelism's sentinel
+    kept = torch.where(index < EXPERTS, index, 0)
+    expected = _gpt_oss_reference(module, adapters.factors["a"], 8.0, hidden, kept, weights * (index < EXPERTS))
+    torch.testing.assert_close(module(hidden, index, weights).double(), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("portable", [None, True])

@@ -14,11 +14,11 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from localtinker.engine.api import DatumArrays, EngineUserError, LoraSpec, SampleSpec
+from localtinker.engine.api import AdamSpec, DatumArrays, EngineUserError, LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.lora import LORA_ALPHA, target_module_names
 from localtinker.engine.peft_export import peft_key, write_peft_adapter
-from resources.hf_export.tinker_format import convert_tinker_adapter, experts_as_peft
+from resources.hf_export.tinker_format import base_layout, convert_tinker_adapter, experts_as_peft
 from tests.localtinker.engine.families import FAMILIES, family_dir
 
 LORA = LoraSpec(rank=4, seed=0)
@@ -52,7 +52,7 @@ def _reference(family: str, lora: LoraSpec, weights: dict[str, torch.Tensor], tm
     model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32)
     if any(tensor.dim() == 3 for tensor in weights.values()):  # fused experts: peft's target_parameters LoRA
         write_peft_adapter(tmp_path, weights, str(family_dir(family)), lora)
-        assert convert_tinker_adapter(tmp_path)
+        assert convert_tinker_adapter(tmp_path, base_layout(str(family_dir(family))))
         return PeftModel.from_pretrained(model, tmp_path, is_trainable=True)
     peft_model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=LORA_ALPHA, target_modules=target_module_names(lora)))
     named = dict(peft_model.named_parameters())
@@ -63,16 +63,17 @@ def _reference(family: str, lora: LoraSpec, weights: dict[str, torch.Tensor], tm
     return peft_model
 
 
-def _peft_grads(grads: dict[str, torch.Tensor], reference: torch.nn.Module,
-                lora: LoraSpec) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+def _peft_grads(grads: dict[str, torch.Tensor], reference: torch.nn.Module, lora: LoraSpec,
+                family: str) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(key, ours, peft's) per PEFT tensor. Where the engine's gate and up LoRAs go as one block-diagonal LoRA,
     peft's off-diagonal entries (zeros the engine does not train) are left out of the comparison."""
     named = dict(reference.named_parameters())
     config = {"r": lora.rank, "lora_alpha": LORA_ALPHA, "target_modules": target_module_names(lora)}
+    interleaved = base_layout(str(family_dir(family))).interleaved
     ours_named = {peft_key(key): grad.cpu() for key, grad in grads.items()}
-    trained = experts_as_peft({key: torch.ones_like(grad) for key, grad in ours_named.items()}, config)[0]
+    trained = experts_as_peft({key: torch.ones_like(grad) for key, grad in ours_named.items()}, config, interleaved)[0]
     pairs = []
-    for key, ours in experts_as_peft(ours_named, config)[0].items():
+    for key, ours in experts_as_peft(ours_named, config, interleaved)[0].items():
         theirs = named[key.removesuffix(".weight") + ".default.weight"].grad
         pairs.append((key, ours, theirs * (trained[key] != 0)))
     return pairs
@@ -104,7 +105,7 @@ def check_family(engine: LocalEngine, family: str, tolerance: float, tmp_path) -
         np.testing.assert_allclose(output["logprobs"], expected.detach().numpy(), atol=tolerance, rtol=0)
         total = total - expected.sum()
     total.backward()
-    for key, grad, expected_grad in _peft_grads(engine.lora_grads(model_id), reference, lora):
+    for key, grad, expected_grad in _peft_grads(engine.lora_grads(model_id), reference, lora, family):
         torch.testing.assert_close(grad, expected_grad, atol=10 * tolerance, rtol=10 * tolerance, msg=key)
 
     path = engine.save_sampler_weights(model_id, "families")
@@ -135,14 +136,51 @@ def test_gemma_soft_cap_bounds_the_logits(engine):
 
 
 def test_moe_experts_of_another_layout_are_refused_by_name(engine):
-    """Experts whose layout expert_lora.py does not adapt (here: with biases): a clear error naming the module,
-    what is different and the way out; attention-only LoRA still trains on that model."""
+    """Experts whose layout expert_lora.py does not adapt (here: a norm after each expert, as transformers flags
+    it): a clear error naming the module, what is different and the way out; attention-only LoRA still trains on
+    that model."""
     model = AutoModelForCausalLM.from_pretrained(family_dir("qwen3_moe"), dtype=torch.float32)
     for layer in model.model.layers:
-        layer.mlp.experts.has_bias = True
-    engine.add_base_model("families/moe-biased", model)
-    with pytest.raises(EngineUserError, match=r"model\.layers\.0\.mlp\.experts, Qwen3MoeExperts\).*biases.*train_mlp=False"):
-        engine.create_model("families:train:moe-biased", "families/moe-biased", LORA)
-    engine.create_model("families:train:moe-attention", "families/moe-biased", LoraSpec(rank=4, seed=0, train_mlp=False))
+        layer.mlp.experts.has_post_expert_norm = True
+    engine.add_base_model("families/moe-normed", model)
+    with pytest.raises(EngineUserError, match=r"model\.layers\.0\.mlp\.experts, Qwen3MoeExperts\).*a norm after each "
+                                              r"expert.*train_mlp=False"):
+        engine.create_model("families:train:moe-normed", "families/moe-normed", LORA)
+    engine.create_model("families:train:moe-attention", "families/moe-normed", LoraSpec(rank=4, seed=0, train_mlp=False))
     assert not any(tensor.dim() == 3 for tensor in engine.lora_weights("families:train:moe-attention").values())
     engine.unload_model("families:train:moe-attention")
+
+
+def test_mxfp4_experts_load_dequantized_and_train(engine):
+    """gpt-oss as the hub has it (experts in MXFP4: families.mxfp4_family_dir) loads as plain fused experts whose
+    weights are the checkpoint's codes × their blocks' powers of two, which LoRA trains. On a CPU transformers
+    dequantizes by itself; on a GPU with Triton and the ``kernels`` package it would keep MXFP4 experts no LoRA
+    reaches, so the engine asks for the dequantized weights everywhere (families.load_options)."""
+    from safetensors.torch import load_file
+    from transformers import Mxfp4Config
+
+    from localtinker.engine.families import load_options
+    from tests.localtinker.engine.families import _FP4_VALUES, mxfp4_family_dir
+
+    directory = mxfp4_family_dir()
+    option = load_options(AutoConfig.from_pretrained(directory))["quantization_config"]
+    assert isinstance(option, Mxfp4Config) and option.dequantize
+    assert load_options(AutoConfig.from_pretrained(family_dir("gpt_oss"))) == {}
+    engine.create_model("families:train:mxfp4", str(directory), LORA)
+    model = engine._hosts[engine._models["families:train:mxfp4"].base_name].base.model
+    experts = model.model.layers[1].mlp.experts
+    assert type(experts).__name__ == "GptOssExperts" and experts.gate_up_proj.dtype == torch.float32
+    saved = load_file(str(directory / "model.safetensors"))
+    blocks, scales = (saved[f"model.layers.1.mlp.experts.down_proj_{part}"] for part in ("blocks", "scales"))
+    table = torch.tensor(_FP4_VALUES + tuple(-v for v in _FP4_VALUES))
+    codes = torch.stack((blocks & 15, blocks >> 4), dim=-1).flatten(-2).long()  # low nibble first
+    values = table[codes] * torch.exp2(scales.float() - 127)[..., None]  # [E, out, in / 32, 32]
+    torch.testing.assert_close(experts.down_proj.detach(), values.flatten(-2).transpose(1, 2), atol=0, rtol=0)
+    tokens = np.random.default_rng(2).integers(0, 49152, size=16)
+    losses = []
+    for _ in range(4):
+        result = engine.forward_backward("families:train:mxfp4", [_datum(tokens)], "cross_entropy", None, False)
+        losses.append(-float(result.loss_fn_outputs[0]["logprobs"].sum()))
+        engine.optim_step("families:train:mxfp4", AdamSpec(learning_rate=0.01))
+    assert losses[-1] < losses[0] - 1.0, losses
+    engine.unload_model("families:train:mxfp4")

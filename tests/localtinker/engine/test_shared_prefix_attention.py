@@ -73,7 +73,7 @@ def test_a_bf16_model_multiplies_in_bf16_and_gets_bf16_back():
 
 
 def test_an_option_it_does_not_implement_takes_the_copied_prompts(monkeypatch):
-    """A set attention option (here softcap, which only sdpa's path applies) routes through ``dense()``."""
+    """A set attention option (here a sliding window, which only sdpa's path applies) routes through ``dense()``."""
     query, kv, _ = _inputs([2, 2], own=3)
     members, own = query.shape[0], query.shape[2]
     visible = torch.cat(
@@ -88,5 +88,5 @@ def test_an_option_it_does_not_implement_takes_the_copied_prompts(monkeypatch):
         return q.transpose(1, 2), None
 
     monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", recording)
-    engine_attention(torch.nn.Module(), query.detach(), kv, kv, visible, scaling=0.25, softcap=30.0)
+    engine_attention(torch.nn.Module(), query.detach(), kv, kv, visible, scaling=0.25, sliding_window=64)
     assert calls == [((members, KEY_HEADS, PROMPT + own, DIM), True)]

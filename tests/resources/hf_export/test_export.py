@@ -61,14 +61,17 @@ def test_export_with_merged_model_and_gguf_matches_the_server(clients, trained, 
     assert not [c for c in rest.list_user_checkpoints().result().checkpoints if c.checkpoint_type == "external"]
 
 
-def test_moe_experts_export_as_a_peft_adapter_and_a_merged_model(clients, tmp_path: Path) -> None:
-    """A Qwen3-MoE trained with LoRA on its fused experts (localtinker's expert_lora.py): the adapter loads with
-    peft (its target_parameters) and the merged model with transformers alone, both matching the server."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "gpt_oss-mxfp4"])
+def test_moe_experts_export_as_a_peft_adapter_and_a_merged_model(clients, tmp_path: Path, family: str) -> None:
+    """A Qwen3-MoE, and a gpt-oss (experts transposed, gate and up interleaved, biases, attention sinks; also
+    from an MXFP4 checkpoint, as the hub has it), trained with LoRA on their fused experts (localtinker's
+    expert_lora.py): the adapter loads with peft (its target_parameters) and the merged model with transformers
+    alone, both matching the server; a merged MXFP4 model is saved dense."""
     from safetensors import safe_open
 
-    from tests.localtinker.engine.families import family_dir
+    from tests.localtinker.engine.families import family_dir, mxfp4_family_dir
 
-    base = str(family_dir("qwen3_moe"))
+    base = str(mxfp4_family_dir() if family.endswith("mxfp4") else family_dir(family))
     trainer = clients[0].create_lora_training_client(base_model=base, rank=4, seed=3).result()
     datum = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]),
                         loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)})
@@ -76,7 +79,7 @@ def test_moe_experts_export_as_a_peft_adapter_and_a_merged_model(clients, tmp_pa
         trainer.forward_backward([datum], "cross_entropy")
         trainer.optim_step(types.AdamParams(learning_rate=0.05)).result()
     out = tmp_path / "export"
-    report = export_checkpoint(*clients, trainer.save_state("moe-export").result().path, out, base, base, merged=True)
+    report = export_checkpoint(*clients, trainer.save_state(f"{family}-export").result().path, out, base, base, merged=True)
     assert report.adapter_max_abs_logprob_diff <= ADAPTER_TOLERANCE
     assert report.merged_max_abs_logprob_diff <= MERGED_TOLERANCE and report.within_tolerance
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
@@ -86,6 +89,7 @@ def test_moe_experts_export_as_a_peft_adapter_and_a_merged_model(clients, tmp_pa
     assert expert_b.abs().max() > 0  # the experts trained: their merged weights differ from the base's
     from transformers import AutoModelForCausalLM
 
+    assert "quantization_config" not in json.loads((out / "merged" / "config.json").read_text())
     merged = AutoModelForCausalLM.from_pretrained(out / "merged").model.layers[0].mlp.experts.down_proj
     original = AutoModelForCausalLM.from_pretrained(base).model.layers[0].mlp.experts.down_proj
     assert (merged - original).abs().max() > 0

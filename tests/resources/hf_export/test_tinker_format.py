@@ -14,11 +14,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from posttrain.export.adapter import ExportError
-from resources.hf_export.tinker_format import convert_tinker_adapter, experts_as_peft, unembed_as_head
+from resources.hf_export.tinker_format import (
+    BaseLayout, base_layout, convert_tinker_adapter, experts_as_peft, unembed_as_head,
+)
 
 EXPERTS, RANK, HIDDEN, INTER = 3, 2, 8, 4
 PATH = "base_model.model.model.layers.0.mlp.experts"
 CONFIG = {"r": 8, "lora_alpha": 32, "target_modules": ["q_proj", "gate_proj", "up_proj", "down_proj"]}
+PLAIN = BaseLayout(self_attn=True, interleaved=False)  # a Llama-shaped base model
 
 
 def _adapter(names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> dict[str, torch.Tensor]:
@@ -79,7 +82,7 @@ def test_what_cannot_be_converted_is_named(tmp_path: Path):
     dense = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(8, HIDDEN)}
     save_file(dense, str(tmp_path / "adapter_model.safetensors"))
     (tmp_path / "adapter_config.json").write_text(json.dumps(CONFIG))
-    assert not convert_tinker_adapter(tmp_path)  # peft's form already: the files stay as they are
+    assert not convert_tinker_adapter(tmp_path, PLAIN)  # peft's form already: the files stay as they are
     assert load_file(str(tmp_path / "adapter_model.safetensors")).keys() == dense.keys()
     assert json.loads((tmp_path / "adapter_config.json").read_text()) == CONFIG
 
@@ -116,7 +119,7 @@ def test_a_hosted_unembed_tokens_lora_loads_in_peft_and_merges_as_the_engine_com
               for key, t in load_file(str(adapter / "adapter_model.safetensors")).items()}
     assert any(".unembed_tokens." in key for key in hosted)
     save_file(hosted, str(adapter / "adapter_model.safetensors"))
-    assert convert_tinker_adapter(adapter)
+    assert convert_tinker_adapter(adapter, base_layout(base))
     assert "lm_head" in json.loads((adapter / "adapter_config.json").read_text())["target_modules"]
 
     def logprobs(model: torch.nn.Module) -> np.ndarray:
@@ -138,3 +141,20 @@ def test_unembed_tokens_is_renamed_in_keys_and_targets():
     renamed, config = unembed_as_head(weights, {"target_modules": ["q_proj", "unembed_tokens"]})
     assert set(renamed) == {"base_model.model.lm_head.lora_A.weight", "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"}
     assert config["target_modules"] == ["lm_head", "q_proj"]
+
+
+def test_hosted_gpt_oss_attention_names_and_the_base_layout(tmp_path: Path):
+    """The base model's layout is read from its config (no weights): gpt-oss's experts interleave gate and up, a
+    Qwen3-MoE's do not. Hosted Tinker's ``.attn`` (gpt-oss's original name) becomes transformers' ``.self_attn``
+    where the base model has that and no ``attn``; elsewhere names stay."""
+    from tests.localtinker.engine.families import family_dir
+
+    assert base_layout(str(family_dir("gpt_oss"))) == BaseLayout(self_attn=True, interleaved=True)
+    assert base_layout(str(family_dir("qwen3_moe"))) == BaseLayout(self_attn=True, interleaved=False)
+    hosted = {"base_model.model.model.layers.0.attn.q_proj.lora_A.weight": torch.ones(8, HIDDEN),
+              "base_model.model.model.layers.0.attn.q_proj.lora_B.weight": torch.ones(HIDDEN, 8)}
+    for base, expected in ((PLAIN, ".self_attn."), (BaseLayout(self_attn=False, interleaved=False), ".attn.")):
+        save_file(hosted, str(tmp_path / "adapter_model.safetensors"))
+        (tmp_path / "adapter_config.json").write_text(json.dumps(CONFIG))
+        assert convert_tinker_adapter(tmp_path, base) == (expected == ".self_attn.")
+        assert all(expected in key for key in load_file(str(tmp_path / "adapter_model.safetensors")))
