@@ -129,9 +129,16 @@ def pre_attention_cached(x: torch.Tensor, norm: torch.Tensor, qkv: Projection, q
     return q.contiguous()
 
 
-def attention_weights(scores: torch.Tensor, hidden: torch.Tensor, scale: float) -> torch.Tensor:
-    """transformers' eager formula: scaled float32 scores, hidden columns masked, softmax, back to the dtype."""
-    return torch.softmax((scores.float() * scale).masked_fill(hidden, MASKED), dim=-1).to(scores.dtype)
+def attention_weights(scores: torch.Tensor, hidden: torch.Tensor, scale: float,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' eager formula: scaled float32 scores, hidden columns masked, softmax, back to the dtype.
+    With ``sinks`` (gpt-oss; broadcast against the scores but for their last dimension), each row's sink logit
+    joins the softmax as one more column, dropped after it."""
+    z = (scores.float() * scale).masked_fill(hidden, MASKED)
+    if sinks is None:
+        return torch.softmax(z, dim=-1).to(scores.dtype)
+    column = sinks.float().expand(*z.shape[:-1], 1)
+    return torch.softmax(torch.cat((z, column), dim=-1), dim=-1)[..., :-1].to(scores.dtype)
 
 
 def post_attention(out: torch.Tensor, x: torch.Tensor, o_proj: Projection, norm: torch.Tensor, gate_up: Projection,

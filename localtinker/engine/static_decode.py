@@ -2,8 +2,9 @@
 
 A decode step through transformers' layers is well over a thousand kernel launches for a 1B model; on a
 GPU the host cannot issue them as fast as the card runs them (docs/localtinker-gpu.md). This step is
-written out for the Llama-shaped families (Llama, Qwen2, Qwen3, Mistral without sliding windows) over
-buffers that never move, so the whole step is captured once per (rows, columns) bucket and replayed with
+written out for the Llama-shaped families (Llama, Qwen2, Qwen3, Mistral without sliding windows; Qwen3-MoE and
+gpt-oss with their MoE blocks run as modules inside the step, gpt-oss's sliding windows as one more mask and its
+attention sinks as one more softmax column) over buffers that never move, so the whole step is captured once per (rows, columns) bucket and replayed with
 one launch.
 
 Layout: ``keys[layer]`` / ``values[layer]`` are ``[slots, kv heads, columns, head dim]``; a row's token at
@@ -47,10 +48,11 @@ from localtinker.engine.decode_layer import (
 from localtinker.engine.expert_lora import adapters_of, grouped_possible, unsupported
 from localtinker.engine.families import architecture, final_softcap, text_config, uses_sliding_windows
 from localtinker.engine.packed_layout import PackedLayout
-from localtinker.engine.portable_attention import packed_causal_attention
+from localtinker.engine.portable_attention import explicit_attention, packed_causal_attention
 from localtinker.engine.token_choice import choose_in_step
 
-STATIC_DECODE_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral", "qwen3_moe"})
+STATIC_DECODE_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss"})
+WINDOWED_FAMILIES = frozenset({"gpt_oss"})  # whose sliding-window layers the step masks (by layer_types)
 MIN_COLUMNS = 128  # a graph is captured per power-of-two bucket of rows and of attended columns
 _POOL = "_localtinker_static_decoders"  # on the base model: decoders whose batch has drained, graphs kept
 _KEPT_DECODERS = 2
@@ -75,8 +77,10 @@ def static_decode_supported(model: torch.nn.Module, moe: bool = True) -> bool:
     which then runs as its own module inside the step (router, experts and their LoRA alike)."""
     config = model.config
     text = text_config(config)
-    if not (architecture(config) in STATIC_DECODE_FAMILIES and not final_softcap(config)
-            and not uses_sliding_windows(config) and getattr(text, "hidden_act", "silu") == "silu"):
+    family = architecture(config)
+    windows_ok = family in WINDOWED_FAMILIES and getattr(text, "layer_types", None) is not None
+    if not (family in STATIC_DECODE_FAMILIES and not final_softcap(config)
+            and (windows_ok or not uses_sliding_windows(config)) and getattr(text, "hidden_act", "silu") == "silu"):
         return False
     groups = [[model.get_output_embeddings()]]
     for layer in model.get_decoder().layers:
@@ -105,6 +109,24 @@ def _run_block(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     decoder decodes without graphs from the start (``graph_error`` says why)."""
     out = block(x[None])
     return (out[0] if isinstance(out, tuple) else out)[0]
+
+
+def _prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], scale: float,
+                      window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention of prompts packed end to end (q [tokens, heads, d], k and v [tokens, kv heads, d]) with a
+    sliding ``window`` and/or ``sinks`` ([kv heads, group, 1]), prompt by prompt through the explicit product
+    (portable_attention.py): a prefill is not captured, and its prompts' [n × n] scores are small. Returns
+    [tokens, heads, d]."""
+    outputs, start = [], 0
+    for n in lengths:
+        queries, keys, values = (t[start : start + n].transpose(0, 1)[None] for t in (q, k, v))
+        visible = torch.ones((n, n), dtype=torch.bool, device=q.device).tril()
+        if window:
+            visible &= ~torch.ones((n, n), dtype=torch.bool, device=q.device).tril(-window)
+        outputs.append(explicit_attention(queries, keys, values, visible[None, None], scale, None,
+                                          None if sinks is None else sinks.reshape(-1))[0])
+        start += n
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -392,7 +414,18 @@ class StaticDecoder:
         self._choose = compiled_once(choose_in_step) if self.compiled else choose_in_step
         # attention as sdpa (memory-efficient kernel on CUDA) with the hidden columns as a bias, instead of two
         # products and a softmax: opt-in until measured on a GPU (docs/localtinker-gpu.md)
-        self.sdpa_attention = os.environ.get(ATTENTION_ENV) == "sdpa"
+        # gpt-oss: a sliding window on the layers layer_types names so (a second mask, made once per step), and
+        # each head's sink logit ([kv heads, group, 1], as the grouped scores broadcast it)
+        config = text_config(model.config)
+        types = getattr(config, "layer_types", None) or []
+        window = getattr(config, "sliding_window", None)
+        self.windows = [window if i < len(types) and types[i] == "sliding_attention" and window else None
+                        for i in range(len(self.layers))]
+        group = self.shape.heads // self.shape.kv_heads
+        self.sinks = [None if getattr(layer.self_attn, "sinks", None) is None
+                      else layer.self_attn.sinks.detach().reshape(self.shape.kv_heads, group, 1) for layer in self.layers]
+        self.sdpa_attention = (os.environ.get(ATTENTION_ENV) == "sdpa" and not any(self.windows)
+                               and all(sinks is None for sinks in self.sinks))
         self._layer_parts = self._parts()
 
     @property
@@ -488,6 +521,8 @@ class StaticDecoder:
         self.slots, self.columns = slots, columns
         ids = torch.arange(columns, device=self.device)
         cos, sin = self.rotary(self.embed.weight[:1][None], ids[None])
+        if cos.shape[-1] * 2 == self.shape.head_dim:  # gpt-oss gives each frequency once: rotate takes it twice
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         self._cos, self._sin, self._column_ids = cos[0], sin[0], ids
         self._slot_ids = torch.arange(slots, device=self.device)
         self._drop_graphs()
@@ -517,14 +552,17 @@ class StaticDecoder:
         layout = PackedLayout.rows(lengths, self.device)
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
         x = self.embed(tokens)
-        for (norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down), moe, keys, values in zip(
-                self._layer_parts, self.moe, self.keys, self.values):
+        for (norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down), moe, keys, values, window, sinks in zip(
+                self._layer_parts, self.moe, self.keys, self.values, self.windows, self.sinks):
             q, k, v = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, shape.heads, shape.kv_heads, shape.eps,
                                     shape.qk_eps)
             keys.index_put_(index, k[row_of])
             values.index_put_(index, v[row_of])
-            out = packed_causal_attention(q.reshape(len(positions), shape.heads, shape.head_dim), k, v, layout,
-                                          shape.scale)
+            q = q.reshape(len(positions), shape.heads, shape.head_dim)
+            if window is None and sinks is None:
+                out = packed_causal_attention(q, k, v, layout, shape.scale)
+            else:
+                out = _prompt_attention(q, k, v, lengths, shape.scale, window, sinks)
             out = out.reshape(len(positions), shape.heads * shape.head_dim)
             if moe is None:
                 x = post_attention(out, x, o_proj, post_norm, gate_up, down, shape.eps)
@@ -640,17 +678,22 @@ class StaticDecoder:
         bias = None
         if self.sdpa_attention:  # hidden columns as an additive bias, once per step: [rows, 1, 1, columns]
             bias = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill(hidden, float("-inf"))
+        windowed = None
+        window = next((w for w in self.windows if w), None)
+        if window:  # a sliding-window layer also hides the columns at or before position − window
+            windowed = hidden | (self._column_ids[:columns][None] <= positions[:, None] - window)[:, None, None]
         x = self.embed(tokens)
         with _sdpa_backend(self.sdpa_attention and self.device.type == "cuda"):
-            for (norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down), moe, keys, values in zip(
-                    self._layer_parts, self.moe, self.keys, self.values):
+            for (norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down), moe, keys, values, window, sinks in zip(
+                    self._layer_parts, self.moe, self.keys, self.values, self.windows, self.sinks):
                 q = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, shape.heads, shape.kv_heads, shape.eps,
                                   shape.qk_eps, keys, values, index)
                 keys, values = keys[:rows, :, :columns], values[:rows, :, :columns]
                 if bias is not None:
                     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=shape.scale)
                 else:
-                    weights = attention_weights(torch.matmul(q, keys.transpose(-1, -2)), hidden, shape.scale)
+                    weights = attention_weights(torch.matmul(q, keys.transpose(-1, -2)),
+                                                hidden if window is None else windowed, shape.scale, sinks)
                     out = torch.matmul(weights, values)  # [rows, kv heads, group, dim]
                 out = out.reshape(rows, shape.heads * shape.head_dim)
                 if moe is None:

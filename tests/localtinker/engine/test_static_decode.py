@@ -183,33 +183,38 @@ def test_adapters_decoding_at_once_keep_their_own_factors(engines, joined):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_supported_families(family):
     model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32)
-    assert static_decode_supported(model) == (family in {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe"})
+    assert static_decode_supported(model) == (family in {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss"})
     assert static_decode_supported(model, moe=False) == (family in {"llama", "qwen2", "qwen3", "mistral"})
 
 
-def test_moe_layers_decode_as_over_the_dynamic_cache(engines):
-    """Qwen3-MoE: each layer's MoE block runs as its own module inside the static step (router, experts and
-    the experts' LoRA). Adapters on the experts and on attention only, and the base model, decode the tokens
-    and logprobs transformers' layers decode over the dynamic cache, one pooled decoder serving them in turn."""
-    base = str(family_dir("qwen3_moe"))
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_moe_layers_decode_as_over_the_dynamic_cache(engines, family):
+    """Qwen3-MoE and gpt-oss: each layer's MoE block runs as its own module inside the static step (router,
+    experts and the experts' LoRA); gpt-oss's sliding-window layers (a window of 8 here, passed in prefill and in
+    decode) and its attention sinks too. Adapters on the experts and on attention only, and the base model,
+    decode the tokens and logprobs transformers' layers decode over the dynamic cache, one pooled decoder serving
+    them in turn."""
+    base = str(family_dir(family))
     specs = [SampleSpec(prompt_tokens=(1, 17, 300, 4000, 22), num_samples=3, max_tokens=10, seed=3,
                         stop_token_ids=(), prompt_logprobs=True),
-             SampleSpec(prompt_tokens=(9, 8, 7), num_samples=2, max_tokens=7, seed=4, stop_token_ids=())]
+             SampleSpec(prompt_tokens=(9, 8, 7), num_samples=2, max_tokens=7, seed=4, stop_token_ids=()),
+             SampleSpec(prompt_tokens=tuple(range(100, 112)), num_samples=1, max_tokens=6, seed=5,
+                        stop_token_ids=(), prompt_logprobs=True)]
     results = {}
     for name, engine in engines.items():
         samplers = []
         for index, lora in enumerate((LoraSpec(rank=4, seed=21), LoraSpec(rank=4, seed=22, train_mlp=False))):
-            model_id = f"{name}:train:moe-{index}"
+            model_id = f"{name}:train:{family}-{index}"
             engine.create_model(model_id, base, lora)
             generator = torch.Generator().manual_seed(30 + index)
             with torch.no_grad():
                 for key, param in engine._models[model_id].params.items():
                     if key.endswith("lora_B"):
                         param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-            engine.create_ephemeral_sampler(f"sampler-moe-{index}-{name}", model_id)
-            samplers.append(f"sampler-moe-{index}-{name}")
-        engine.create_sampler(f"sampler-moe-base-{name}", base, None)
-        samplers.append(f"sampler-moe-base-{name}")
+            engine.create_ephemeral_sampler(f"sampler-{family}-{index}-{name}", model_id)
+            samplers.append(f"sampler-{family}-{index}-{name}")
+        engine.create_sampler(f"sampler-{family}-base-{name}", base, None)
+        samplers.append(f"sampler-{family}-base-{name}")
         results[name] = [result for sampler in samplers
                          for result in engine.sample_batch([(sampler, spec) for spec in specs])]
     _assert_same(results["static"], results["dynamic"])
@@ -393,7 +398,8 @@ def test_compiled_joined_weights_decode_as_uncompiled_separate_products(family):
     assert decoders[1].compiled and decoders[1].compile_error is None
 
 
-@pytest.mark.parametrize("family", ["qwen3"])  # q/k norms: every piece of the layer is compiled
+# qwen3: q/k norms, every piece of the layer compiled; gpt_oss: sinks in the softmax, past its window of 8
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
 @torch.inference_mode()
 def test_compiled_layer_pieces_decode_as_the_uncompiled_ones(family):
     """The GPU compiles the layer pieces (decode_layer.py); the CPU's compiler checks here that the traced
@@ -402,9 +408,9 @@ def test_compiled_layer_pieces_decode_as_the_uncompiled_ones(family):
     decoders = [StaticDecoder(model, compiled=False), StaticDecoder(model, compiled=True)]
     for decoder in decoders:
         decoder.set_adapter(None)
-        decoder.reserve(5, 12)
+        decoder.reserve(5, 16)
         decoder.tokens[:5] = torch.tensor([11, 12, 13, 14, 15])
-    for step, rows in enumerate((5, 5, 5, 2, 2)):  # 8 rows wide, then 2
+    for step, rows in enumerate((5,) * 9 + (2, 2)):  # 8 rows wide, then 2
         logits = [decoder.step(rows, step) for decoder in decoders]
         torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
         for decoder in decoders:
