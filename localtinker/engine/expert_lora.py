@@ -4,7 +4,9 @@ transformers 5 keeps an MoE layer's experts as two 3-D parameters, ``gate_up_pro
 (gate rows, then up rows) and ``down_proj`` [experts, hidden, inter], not as linears, so peft's linear LoRA
 does not reach them. Some families lay them out otherwise (:class:`Layout`): gpt-oss keeps them transposed
 ([experts, hidden, 2·inter], [experts, inter, hidden]), gate and up interleaved (gate column i at 2i, up at
-2i + 1), with a bias per expert and output, and gates its own way (a clamped SwiGLU, its ``_apply_gate``). Here each adapter gives every expert its own LoRA on each of its three projections, gate,
+2i + 1), with a bias per expert and output, and gates its own way (a clamped SwiGLU, its ``_apply_gate``).
+
+Here each adapter gives every expert its own LoRA on each of its three projections, gate,
 up and down, with A [experts, r, in] and B [experts, out, r] — what Tinker trains on an MoE's experts, in the
 3-D form its adapters carry them (peft_export.py). Each expert's rank is the adapter's divided by the number of
 experts a token goes through (:func:`expert_rank`: the rule of Thinking Machines' "LoRA Without Regret"), with
@@ -38,7 +40,6 @@ import torch
 import torch.nn.functional as F
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # in the order the experts modules register them
-BIASES = ("gate_up_proj_bias", "down_proj_bias")  # where the layout has biases (registered after each weight)
 PROJECTIONS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}  # adapted -> holder
 _FORWARDS = (["hidden_states", "top_k_index", "top_k_weights"], ["hidden_states", "router_indices", "routing_weights"])
 _FLAGS = {"has_gate": (True, "no gate"), "has_post_expert_norm": (False, "a norm after each expert")}
@@ -72,7 +73,9 @@ def unsupported(module: torch.nn.Module) -> str | None:
     """Why this experts module is not a layout :class:`ExpertAdapters` adapts, or None when it is."""
     layout = Layout.of(module)
     names = [name for name, _ in module.named_parameters(recurse=False)]
-    wanted = ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"] if layout.biased else list(EXPERT_PARAMETERS)
+    wanted = list(EXPERT_PARAMETERS)
+    if layout.biased:  # each weight's bias registered after it
+        wanted = ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"]
     if names != wanted:
         return f"its parameters are {names}, not {wanted}"
     for flag, (value, what) in _FLAGS.items():
@@ -87,7 +90,8 @@ def unsupported(module: torch.nn.Module) -> str | None:
         return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not {shapes}"
     if layout.biased and (tuple(module.gate_up_proj_bias.shape) != (gate_up.shape[0], double)
                           or tuple(module.down_proj_bias.shape) != (gate_up.shape[0], hidden)):
-        return f"its biases {tuple(module.gate_up_proj_bias.shape)}, {tuple(module.down_proj_bias.shape)} are not [E, 2I], [E, H]"
+        return (f"its biases {tuple(module.gate_up_proj_bias.shape)}, {tuple(module.down_proj_bias.shape)} are not "
+                "[E, 2I], [E, H]")
     forward = inspect.signature(type(module).forward)  # through functools.wraps to the class's own forward
     if list(forward.parameters)[1:] not in _FORWARDS:
         return f"its forward takes {list(forward.parameters)[1:]}, not (hidden states, expert ids, their weights)"
@@ -254,7 +258,8 @@ class _Groups:
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x Wₑᵀ + bₑ + (x Aₑᵀ)(s·Bₑ)ᵀ`` for each row's expert e (``x Wₑ`` where the weights are transposed);
         sentinel rows zero."""
-        operands = (x, weight if self.transposed else weight.transpose(1, 2), a.transpose(1, 2), scaled_b_t)
+        weight_t = weight if self.transposed else weight.transpose(1, 2)  # [E, in, out], as grouped_mm takes it
+        operands = (x, weight_t, a.transpose(1, 2), scaled_b_t)
         if _groupable(x.device, operands, a.shape[1] * a.element_size()):
             try:
                 x = x.masked_fill(~self.valid, 0)

@@ -56,7 +56,10 @@ def cpu_kernels_cover(config: Any) -> bool:
 def load_options(config: Any) -> dict[str, Any]:
     """Extra ``from_pretrained`` options for a base model that is trained: MXFP4 experts dequantized (see above)."""
     quantization = getattr(config, "quantization_config", None)
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    if isinstance(quantization, dict):
+        method = quantization.get("quant_method")
+    else:
+        method = getattr(quantization, "quant_method", None)
     if str(getattr(method, "value", method)) == "mxfp4":
         from transformers import Mxfp4Config
 

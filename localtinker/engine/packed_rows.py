@@ -123,4 +123,5 @@ def _masks_ignore_positions(decoder_class: type) -> bool:
         source = inspect.getsource(decoder_class.forward)
     except (OSError, TypeError):
         return False
-    return "isinstance(causal_mask_mapping := attention_mask, dict)" in source and '"position_ids": position_ids' not in source
+    takes_masks = "isinstance(causal_mask_mapping := attention_mask, dict)" in source
+    return takes_masks and '"position_ids": position_ids' not in source

@@ -2,10 +2,10 @@
 
 A decode step through transformers' layers is well over a thousand kernel launches for a 1B model; on a
 GPU the host cannot issue them as fast as the card runs them (docs/localtinker-gpu.md). This step is
-written out for the Llama-shaped families (Llama, Qwen2, Qwen3, Mistral without sliding windows; Qwen3-MoE and
-gpt-oss with their MoE blocks run as modules inside the step, gpt-oss's sliding windows as one more mask and its
-attention sinks as one more softmax column) over buffers that never move, so the whole step is captured once per (rows, columns) bucket and replayed with
-one launch.
+written out for the Llama-shaped families (Llama, Qwen2, Qwen3, Mistral without sliding windows; Qwen3-MoE
+and gpt-oss with their MoE blocks run as modules inside the step, gpt-oss's sliding windows as one more mask
+and its attention sinks as one more softmax column) over buffers that never move, so the whole step is
+captured once per (rows, columns) bucket and replayed with one launch.
 
 Layout: ``keys[layer]`` / ``values[layer]`` are ``[slots, kv heads, columns, head dim]``; a row's token at
 position *p* sits in column *p* (right-padded, unlike ``kv_rows``'s left padding), so a row attends to the

@@ -21,8 +21,8 @@ from typing import Any
 import tinker
 import torch
 
-from posttrain.export.adapter import ExportError, adapter_base_model, checkpoint_kind, download_adapter
 from localtinker.engine.families import load_options
+from posttrain.export.adapter import ExportError, adapter_base_model, checkpoint_kind, download_adapter
 from posttrain.export.verify import ServerLogprobs, max_gap, model_logprobs, prompt_tokens
 
 from .tinker_format import base_layout, convert_tinker_adapter

@@ -76,7 +76,8 @@ def _merge_parameter(modules: dict, tensors, name: str, config: dict, base: str)
     param = targeted[len(targeted) - 1 - depth]
     weight = getattr(module, param)
     transposed = bool(getattr(module, "is_transposed", False))  # [E, in, out] (gpt-oss) rather than [E, out, in]
-    experts, out_features, in_features = (weight.shape[0], weight.shape[2], weight.shape[1]) if transposed else weight.shape
+    experts = weight.shape[0]
+    in_features, out_features = (weight.shape[1], weight.shape[2]) if transposed else (weight.shape[2], weight.shape[1])
     key = f"{_PREFIX}{name}{'.base_layer' * depth}"
     lora_a = tensors.get_tensor(f"{key}.lora_A.weight").float()
     lora_b = tensors.get_tensor(f"{key}.lora_B.weight").float()
