@@ -29,20 +29,28 @@ if TYPE_CHECKING:
 # Bytes of activations a packed token keeps for the backward, per layer: ~24 hidden-sized and ~8
 # intermediate-sized bf16 tensors (norms, projections, attention output, MLP gates) — a round upper bound.
 _HIDDEN_TENSORS, _INTERMEDIATE_TENSORS, _BYTES = 24, 8, 2
+# An MoE layer keeps its MLP's tensors once per expert a token goes through (expert_lora.py's forward keeps each
+# (token, choice) row: the gathered input, gate/up, the gated product, the output before and after its weight).
+_EXPERT_HIDDEN_TENSORS = 4
 _MEMORY_SHARE = 0.6  # of the device's free memory; the rest for the logit chunks, the optimizer and slack
 SHARE_PROMPTS = True  # through the written-out layers, a prompt several datums share runs once per micro-batch
 
 
 def device_microbatch_tokens(config: object, device: torch.device, ceiling: int) -> int:
     """Tokens per packed micro-batch on ``device``: as many as the activations of one fit in a share of its free
-    memory (a power of two, at least 1024, at most ``ceiling``). An 8B model on an 80 GB card takes 4096, a
-    1B one the ceiling."""
+    memory (a power of two, at least 1024, at most ``ceiling``). An 8B model takes 2048 on an 80 GB card (beside its
+    weights), a 1B one the ceiling; an MoE counts its MLP once per expert a token goes through."""
     if device.type != "cuda":
         return ceiling
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = int(text.hidden_size)
     intermediate = int(getattr(text, "intermediate_size", None) or 4 * hidden)
-    per_token = text.num_hidden_layers * (_HIDDEN_TENSORS * hidden + _INTERMEDIATE_TENSORS * intermediate) * _BYTES
+    mlp = _INTERMEDIATE_TENSORS * intermediate
+    experts_per_token = int(getattr(text, "num_experts_per_tok", None) or 0)
+    if experts_per_token:
+        expert = int(getattr(text, "moe_intermediate_size", None) or intermediate)
+        mlp = experts_per_token * (_INTERMEDIATE_TENSORS * expert + _EXPERT_HIDDEN_TENSORS * hidden)
+    per_token = text.num_hidden_layers * (_HIDDEN_TENSORS * hidden + mlp) * _BYTES
     free, _ = torch.cuda.mem_get_info(device)
     fitting = int(_MEMORY_SHARE * free / per_token)
     tokens = 1024
