@@ -13,7 +13,7 @@ the product) where flash keeps a few bytes per token: a call takes them only whi
 most :data:`MAX_SCORES` (one 682-token row with SmolLM2's 9 heads; ~24 MB per layer). Larger calls,
 float32 models (float32 products were no faster than flash: exactly transformers' ``sdpa``), float masks
 and options the products do not implement go through ``sdpa`` in float32, as before; attention sinks and
-soft caps, which no sdpa applies, through portable_attention.py's explicit product.
+soft caps, which no sdpa applies, as the portable path computes them (portable_attention.beyond_sdpa).
 
 A sampler's decode steps hand it the shared-prompt keys of ``shared_prompt_kv.py``, and the members of a
 trainer's shared-prompt micro-batch those of ``shared_prefix_attention.py``, which plain ``sdpa`` cannot
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from localtinker.engine.portable_attention import explicit_attention
+from localtinker.engine.portable_attention import beyond_sdpa
 from localtinker.engine.shared_prefix_attention import SharedPrefixKV, shared_prefix_attention
 from localtinker.engine.shared_prompt_kv import SharedPromptKV, shared_prompt_attention
 
@@ -50,10 +50,9 @@ def engine_attention(
         if not _changes_attention(kwargs):
             return shared_prefix_attention(query, key, kwargs.get("scaling")).to(dtype), None
         key, value = key.dense()
-    if kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None:  # sinks, soft caps: no sdpa has them
-        output = explicit_attention(query, key, value, attention_mask, kwargs.get("scaling"), kwargs.get("softcap"),
-                                    kwargs.get("s_aux"))
-        return output.to(dtype), None
+    beyond = beyond_sdpa(query, key, value, attention_mask, kwargs)  # sinks, soft caps: no sdpa has them
+    if beyond is not None:
+        return beyond.to(dtype), None
     if _takes_products(query, key, attention_mask, kwargs):
         causal = query.shape[2] > 1 and attention_mask is None and _is_causal(module, kwargs)
         return product_attention(query, key, value, attention_mask, kwargs.get("scaling"), causal), None

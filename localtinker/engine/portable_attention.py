@@ -73,15 +73,26 @@ def portable_attention(
 ) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
-    if _varlen_rows.get() and kwargs.get("cu_seq_lens_q") is not None and softcap is None and sinks is None:
+    beyond = beyond_sdpa(query, key, value, attention_mask, kwargs)
+    if beyond is not None:
+        return beyond, None
+    if _varlen_rows.get() and kwargs.get("cu_seq_lens_q") is not None:
         return _varlen_attention(query, key, value, kwargs), None
-    if softcap is None and sinks is not None:
-        return sink_attention(query, key, value, attention_mask, kwargs.get("scaling"), sinks), None
-    if softcap is not None or sinks is not None:
-        return explicit_attention(query, key, value, attention_mask, kwargs.get("scaling"), softcap, sinks), None
     kwargs = {k: v for k, v in kwargs.items() if k not in ("softcap", "sliding_window", "s_aux")}
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0], None
+
+
+def beyond_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any,
+                kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The attention where ``kwargs`` ask for what no sdpa or flash kernel applies — sinks (``s_aux``: through
+    sdpa as one more key, :func:`sink_attention`), a soft cap (the explicit product) — else None. Both the
+    portable path's and the CPU path's attention (attention.py) route through it."""
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if softcap is None and sinks is None:
+        return None
+    if softcap is None:
+        return sink_attention(query, key, value, mask, kwargs.get("scaling"), sinks)
+    return explicit_attention(query, key, value, mask, kwargs.get("scaling"), softcap, sinks)
 
 
 def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
