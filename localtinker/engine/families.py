@@ -47,6 +47,26 @@ def uses_sliding_windows(config: Any) -> bool:
     return bool(getattr(text, "use_sliding_window", True))
 
 
+def layer_windows(config: Any) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention), as transformers' own masks apply them: by
+    ``layer_types`` where the config has them (gpt-oss, Qwen2/3 with ``use_sliding_window``), on every layer where
+    it has a window and no layer types (Mistral v0.1's 4096). A window no position reaches counts as none. Raises
+    ValueError on a layer type other than full or sliding attention (Llama 4's chunked layers), which no window
+    describes."""
+    text = text_config(config)
+    layers = int(text.num_hidden_layers)
+    types = getattr(text, "layer_types", None)
+    unknown = sorted(set(types or ()) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"layer types {unknown} are neither full nor sliding-window attention")
+    if not uses_sliding_windows(config):
+        return [None] * layers
+    window = int(text.sliding_window)
+    if types is None:
+        return [window] * layers
+    return [window if kind == "sliding_attention" else None for kind in types]
+
+
 def cpu_kernels_cover(config: Any) -> bool:
     """Whether the CPU path's tuned attention and head serve this model (no soft caps, no sliding windows)."""
     text = text_config(config)

@@ -12,10 +12,12 @@ every micro-batch and each run of elementwise work becomes one kernel. Attention
 micro-batch's segments (packed_layout.py: a prompt shared by several datums runs once): flash varlen on CUDA in
 bf16/fp16, one sdpa per segment elsewhere.
 
-Taken where static decode is (Llama, Qwen2, Qwen3, Mistral without sliding windows) and the active adapter is
-plain (lora.py); anything else runs transformers' layers. ``LOCALTINKER_TRAIN_LAYERS=0`` turns this path off,
-``LOCALTINKER_TRAIN_COMPILE=0`` keeps it uncompiled; ``LOCALTINKER_TRAIN_GRAPHS=1`` replays the compiled pieces as
-CUDA graphs over a few buckets of packed length (opt-in until measured on a GPU).
+Taken where static decode is (Llama, Qwen2, Qwen3, Mistral) and the active adapter is plain (lora.py); anything
+else runs transformers' layers. A model with sliding windows is taken for the calls whose datums all fit in its
+window (:meth:`PackedLayers.attends_fully`), where the window hides nothing, so full attention is exact; a longer
+datum sends the call through transformers' layers, which apply the window. ``LOCALTINKER_TRAIN_LAYERS=0`` turns
+this path off, ``LOCALTINKER_TRAIN_COMPILE=0`` keeps it uncompiled; ``LOCALTINKER_TRAIN_GRAPHS=1`` replays the
+compiled pieces as CUDA graphs over a few buckets of packed length (opt-in until measured on a GPU).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from localtinker.engine.decode_layer import (
     TRAIN_COMPILE_ENV, LayerShape, allow_recompiles, compile_by_default, post_attention, pre_attention,
 )
+from localtinker.engine.families import layer_windows
 from localtinker.engine.packed_layout import PackedLayout
 from localtinker.engine.portable_attention import packed_causal_attention
 from localtinker.engine.static_decode import frozen_layer, shared_weights, static_decode_supported
@@ -179,6 +182,8 @@ class PackedLayers:
         self.layers = list(decoder.layers)
         self.shape = LayerShape.of(model)
         self.device = self.embed.weight.device
+        # the narrowest sliding window of any layer (None: all attend fully); see attends_fully
+        self.window = min((w for w in layer_windows(model.config) if w), default=None)
         by_default, why_not = compile_by_default(self.device, TRAIN_COMPILE_ENV)
         self.compiled = by_default if compiled is None else compiled
         self.compile_error: str | None = None if self.compiled else why_not
@@ -224,6 +229,12 @@ class PackedLayers:
             parts.append(part)
         return parts
 
+    def attends_fully(self, longest: int) -> bool:
+        """Whether datums of at most ``longest`` tokens see every earlier position in every layer: a sliding
+        window hides the keys ``window`` or more positions back, which a datum no longer than the window lacks.
+        These layers attend fully, so a call with a longer datum runs transformers' layers."""
+        return self.window is None or longest <= self.window
+
     def computes_active_adapter(self) -> bool:
         """Whether :meth:`hidden` computes the adapter active now (else transformers' layers must run)."""
         return self._layer_parts() is not None
@@ -231,9 +242,9 @@ class PackedLayers:
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, layout: PackedLayout) -> torch.Tensor | None:
         """The final-normed hidden states ``[tokens, hidden]`` of a packed micro-batch (packed_layout.py: its
         tokens' positions and attention segments, on the device); None where the active adapter is not one this
-        path computes (the caller then runs transformers' layers)."""
+        path computes, or a segment reaches past a sliding window (the caller then runs transformers' layers)."""
         parts = self._layer_parts()
-        if parts is None:
+        if parts is None or not self.attends_fully(layout.max_k):
             return None
         if not self._probed:
             self._probe(parts)

@@ -2,9 +2,9 @@
 
 A decode step through transformers' layers is well over a thousand kernel launches for a 1B model; on a
 GPU the host cannot issue them as fast as the card runs them (docs/localtinker-gpu.md). This step is
-written out for the Llama-shaped families (Llama, Qwen2, Qwen3, Mistral without sliding windows; Qwen3-MoE
-and gpt-oss with their MoE blocks run as modules inside the step, gpt-oss's sliding windows as one more mask
-and its attention sinks as one more softmax column) over buffers that never move, so the whole step is
+written out for the Llama-shaped families (Llama, Qwen2, Qwen3, Mistral; Qwen3-MoE and gpt-oss with their MoE
+blocks run as modules inside the step; sliding windows, on the layers the config names, as one more mask, and
+gpt-oss's attention sinks as one more softmax column) over buffers that never move, so the whole step is
 captured once per (rows, columns) bucket and replayed with one launch.
 
 Layout: ``keys[layer]`` / ``values[layer]`` are ``[slots, kv heads, columns, head dim]``; a row's token at
@@ -46,13 +46,12 @@ from localtinker.engine.decode_layer import (
     pre_attention, project, rms,
 )
 from localtinker.engine.expert_lora import adapters_of, grouped_possible, unsupported
-from localtinker.engine.families import architecture, final_softcap, text_config, uses_sliding_windows
+from localtinker.engine.families import architecture, final_softcap, layer_windows, text_config
 from localtinker.engine.packed_layout import PackedLayout
 from localtinker.engine.portable_attention import explicit_attention, packed_causal_attention
 from localtinker.engine.token_choice import choose_in_step
 
 STATIC_DECODE_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss"})
-WINDOWED_FAMILIES = frozenset({"gpt_oss"})  # whose sliding-window layers the step masks (by layer_types)
 MIN_COLUMNS = 128  # a graph is captured per power-of-two bucket of rows and of attended columns
 _POOL = "_localtinker_static_decoders"  # on the base model: decoders whose batch has drained, graphs kept
 _KEPT_DECODERS = 2
@@ -78,9 +77,12 @@ def static_decode_supported(model: torch.nn.Module, moe: bool = True) -> bool:
     config = model.config
     text = text_config(config)
     family = architecture(config)
-    windows_ok = family in WINDOWED_FAMILIES and getattr(text, "layer_types", None) is not None
     if not (family in STATIC_DECODE_FAMILIES and not final_softcap(config)
-            and (windows_ok or not uses_sliding_windows(config)) and getattr(text, "hidden_act", "silu") == "silu"):
+            and getattr(text, "hidden_act", "silu") == "silu"):
+        return False
+    try:
+        layer_windows(config)  # sliding windows are masked per layer; other layer types are not written out
+    except ValueError:
         return False
     groups = [[model.get_output_embeddings()]]
     for layer in model.get_decoder().layers:
@@ -414,13 +416,9 @@ class StaticDecoder:
         self._choose = compiled_once(choose_in_step) if self.compiled else choose_in_step
         # attention as sdpa (memory-efficient kernel on CUDA) with the hidden columns as a bias, instead of two
         # products and a softmax: opt-in until measured on a GPU (docs/localtinker-gpu.md)
-        # gpt-oss: a sliding window on the layers layer_types names so (a second mask, made once per step), and
-        # each head's sink logit ([kv heads, group, 1], as the grouped scores broadcast it)
-        config = text_config(model.config)
-        types = getattr(config, "layer_types", None) or []
-        window = getattr(config, "sliding_window", None)
-        self.windows = [window if i < len(types) and types[i] == "sliding_attention" and window else None
-                        for i in range(len(self.layers))]
+        # a sliding window on the layers the config names (a second mask, made once per step: families.py), and
+        # gpt-oss's sink logit per head ([kv heads, group, 1], as the grouped scores broadcast it)
+        self.windows = layer_windows(model.config)
         group = self.shape.heads // self.shape.kv_heads
         self.sinks = [None if getattr(layer.self_attn, "sinks", None) is None
                       else layer.self_attn.sinks.detach().reshape(self.shape.kv_heads, group, 1) for layer in self.layers]
@@ -559,7 +557,7 @@ class StaticDecoder:
             keys.index_put_(index, k[row_of])
             values.index_put_(index, v[row_of])
             q = q.reshape(len(positions), shape.heads, shape.head_dim)
-            if window is None and sinks is None:
+            if sinks is None and (window is None or max(lengths) <= window):  # no prompt reaches past its window
                 out = packed_causal_attention(q, k, v, layout, shape.scale)
             else:
                 out = _prompt_attention(q, k, v, lengths, shape.scale, window, sinks)

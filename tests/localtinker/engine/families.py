@@ -43,10 +43,16 @@ def _configs() -> dict[str, object]:
         "gpt_oss": GptOssConfig(**{**_COMMON, "intermediate_size": 96}, head_dim=16, num_local_experts=4,
                                 num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False,
                                 layer_types=["sliding_attention", "full_attention"]),
+        # sliding windows on the Llama-shaped families: Mistral v0.1's on every layer (no layer types), Qwen2's
+        # from use_sliding_window on the layers from max_window_layers on (here the second)
+        "mistral_sliding": MistralConfig(**_COMMON, head_dim=16, sliding_window=8, tie_word_embeddings=False),
+        "qwen2_sliding": Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                                     tie_word_embeddings=True),
     }
 
 
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_moe", "gpt_oss")
+SLIDING_FAMILIES: tuple[str, ...] = ("mistral_sliding", "qwen2_sliding")  # families above, with a window of 8
 _JITTERED = ("norm", "sinks", "bias")  # parameters that start at exactly 1 or 0 (biases and sinks: gpt-oss's only)
 
 

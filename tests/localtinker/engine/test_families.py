@@ -16,10 +16,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from localtinker.engine.api import AdamSpec, DatumArrays, EngineUserError, LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
+from localtinker.engine.families import layer_windows
 from localtinker.engine.lora import LORA_ALPHA, target_module_names
 from localtinker.engine.peft_export import peft_key, write_peft_adapter
 from resources.hf_export.tinker_format import base_layout, convert_tinker_adapter, experts_as_peft
-from tests.localtinker.engine.families import FAMILIES, family_dir
+from tests.localtinker.engine.families import FAMILIES, SLIDING_FAMILIES, family_dir
 
 LORA = LoraSpec(rank=4, seed=0)
 TOLERANCE = 1e-5  # float32
@@ -84,6 +85,20 @@ def test_trainer_and_sampler_equal_the_models_own_forward(engine, family, tmp_pa
     check_family(engine, family, TOLERANCE, tmp_path)
 
 
+@pytest.mark.parametrize("family", SLIDING_FAMILIES)
+def test_sliding_windows_on_the_gpu_path(family, tmp_path):
+    """Mistral v0.1's window on every layer and Qwen2's on some (8 tokens here), on the portable path as a GPU
+    runs it: sampling over the static cache masks each layer's window (prompts and samples reach past it), and
+    training sends datums longer than the window through transformers' layers. (The CPU's default and portable
+    paths run transformers' attention for such models: the test above.)"""
+    engine = LocalEngine(tmp_path / "engine", dtype="float32", portable=True, static_decode=True, train_layers=True)
+    check_family(engine, family, TOLERANCE, tmp_path)
+    model = engine._hosts[str(family_dir(family))].base.model
+    windows = layer_windows(model.config)
+    decoders = model.__dict__.get("_localtinker_static_decoders", [])
+    assert 8 in windows and decoders and all(decoder.windows == windows for decoder in decoders)
+
+
 def check_family(engine: LocalEngine, family: str, tolerance: float, tmp_path) -> None:
     """Trainer logprobs and LoRA gradients against transformers + peft on the CPU in float32, and the sampler's
     logprobs (and prompt logprobs) against the trainer's, within ``tolerance`` (gradients 10×)."""
@@ -124,6 +139,22 @@ def check_family(engine: LocalEngine, family: str, tolerance: float, tmp_path) -
             np.testing.assert_allclose(sequence.logprobs, logprobs[len(prompt) - 1 :], atol=tolerance, rtol=0)
             np.testing.assert_allclose(sampled.prompt_logprobs[1:], logprobs[: len(prompt) - 1], atol=tolerance, rtol=0)
     engine.unload_model(model_id)
+
+
+def test_layer_windows_are_read_as_transformers_masks_apply_them():
+    """A window no position reaches (Mistral's 4096 in a 4096 context) and Qwen2's window while
+    ``use_sliding_window`` is off are none; a layer type that is no window (Llama 4's chunks) is refused."""
+    from types import SimpleNamespace
+
+    from transformers import MistralConfig, Qwen2Config
+
+    assert layer_windows(MistralConfig(num_hidden_layers=3, sliding_window=4096, max_position_embeddings=32768)) == [4096] * 3
+    assert layer_windows(MistralConfig(num_hidden_layers=3, sliding_window=4096, max_position_embeddings=4096)) == [None] * 3
+    assert layer_windows(Qwen2Config(num_hidden_layers=2, sliding_window=4096, use_sliding_window=False)) == [None] * 2
+    chunked = SimpleNamespace(num_hidden_layers=2, layer_types=["chunked_attention", "full_attention"],
+                              sliding_window=None, max_position_embeddings=8192)
+    with pytest.raises(ValueError, match="chunked_attention"):
+        layer_windows(chunked)
 
 
 def test_gemma_soft_cap_bounds_the_logits(engine):
