@@ -12,10 +12,12 @@ every micro-batch and each run of elementwise work becomes one kernel. Attention
 micro-batch's segments (packed_layout.py: a prompt shared by several datums runs once): flash varlen on CUDA in
 bf16/fp16, one sdpa per segment elsewhere.
 
-Taken where static decode is (Llama, Qwen2, Qwen3, Mistral) and the active adapter is plain (lora.py); anything
-else runs transformers' layers. A model with sliding windows is taken for the calls whose datums all fit in its
-window (:meth:`PackedLayers.attends_fully`), where the window hides nothing, so full attention is exact; a longer
-datum sends the call through transformers' layers, which apply the window. ``LOCALTINKER_TRAIN_LAYERS=0`` turns
+Taken where static decode is (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE; not gpt-oss, whose attention sinks the
+packed attention lacks) and the active adapter is plain (lora.py); anything else runs transformers' layers. An MoE
+layer's block (router, experts and their LoRA: expert_lora.py) runs as its own module between o_proj's piece and
+the next layer, as in the static decoder. A model with sliding windows is taken for the calls whose datums all
+fit in its window (:meth:`PackedLayers.attends_fully`), where the window hides nothing, so full attention is
+exact; a longer datum sends the call through transformers' layers, which apply the window. ``LOCALTINKER_TRAIN_LAYERS=0`` turns
 this path off, ``LOCALTINKER_TRAIN_COMPILE=0`` keeps it uncompiled; ``LOCALTINKER_TRAIN_GRAPHS=1`` replays the
 compiled pieces as CUDA graphs over a few buckets of packed length (opt-in until measured on a GPU).
 """
@@ -32,12 +34,16 @@ from typing import NamedTuple
 import torch
 
 from localtinker.engine.decode_layer import (
-    TRAIN_COMPILE_ENV, LayerShape, allow_recompiles, compile_by_default, post_attention, pre_attention,
+    TRAIN_COMPILE_ENV, LayerShape, allow_recompiles, attention_residual, compile_by_default, post_attention,
+    pre_attention,
 )
+from localtinker.engine.expert_lora import adapters_of
 from localtinker.engine.families import layer_windows
 from localtinker.engine.packed_layout import PackedLayout
 from localtinker.engine.portable_attention import packed_causal_attention
-from localtinker.engine.static_decode import frozen_layer, shared_weights, static_decode_supported
+from localtinker.engine.static_decode import (
+    frozen_layer, moe_block, run_moe_block, shared_weights, static_decode_supported,
+)
 
 LAYERS_ENV = "LOCALTINKER_TRAIN_LAYERS"  # "0": the trainer runs transformers' layers
 GRAPHS_ENV = "LOCALTINKER_TRAIN_GRAPHS"  # "1": the compiled pieces replay as CUDA graphs (see PackedLayers.graphs)
@@ -105,12 +111,19 @@ def train_post_attention(out: torch.Tensor, x: torch.Tensor, o_proj: tuple, o_fa
                           (*down, *_lora(dtype, down_factors)), eps)
 
 
-PIECES = (train_pre_attention, train_post_attention)
+def train_attention_residual(out: torch.Tensor, x: torch.Tensor, o_proj: tuple, o_factors: Factors,
+                             norm: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """o_proj onto the residual stream, and its norm: what an MoE layer's block takes (it runs as its own
+    module, decode_layer.attention_residual)."""
+    return attention_residual(out, x, (*o_proj, *_lora(x.dtype, o_factors)), norm, eps)
+
+
+PIECES = (train_pre_attention, train_post_attention, train_attention_residual)
 _compiled: dict[tuple[Callable, bool], Callable] = {}
 
 
 def pieces(compiled: bool, graphs: bool = False) -> tuple[Callable, ...]:
-    """The two pieces, compiled once per process when asked (dynamic in the token count: tensors' first
+    """The pieces, compiled once per process when asked (dynamic in the token count: tensors' first
     dimension is marked dynamic on every call); with ``graphs``, in inductor's ``reduce-overhead`` mode, whose
     compiled code replays as CUDA graphs (one per piece, layer, grad mode and token bucket)."""
     if not compiled:
@@ -156,15 +169,23 @@ class LayerParts(NamedTuple):
     o_proj: tuple
     o_factors: Factors
     post_norm: torch.Tensor
-    gate_up: tuple
+    gate_up: tuple  # () in an MoE layer
     gate_up_factors: Factors
-    down: tuple
+    down: tuple  # () in an MoE layer
     down_factors: Factors
+    moe: torch.nn.Module | None = None  # an MoE layer's block, run as its own module
 
     def trained(self) -> list[torch.Tensor]:
-        """The adapter's factor parameters this layer reads."""
+        """The adapter's factor parameters the pieces read (not the experts' own, which their block reads)."""
         groups = (self.qkv_factors, self.o_factors, self.gate_up_factors, self.down_factors)
         return [tensor for a_parts, b_parts, _ in groups for tensor in (*a_parts, *b_parts)]
+
+    def trainable(self) -> list[torch.Tensor]:
+        """Every tensor of the layer a backward may give a gradient: the pieces' factors and the block's."""
+        if self.moe is None:
+            return self.trained()
+        experts = adapters_of(self.moe.experts)  # the experts' factors live beside the module (expert_lora.py)
+        return [*self.trained(), *experts.factors.get(experts.active, {}).values()]
 
 
 def _mark_tokens_dynamic(*tensors: torch.Tensor | None) -> None:
@@ -192,12 +213,15 @@ class PackedLayers:
         self.graphs = self.compiled and (graphs_by_default(self.device) if graphs is None else graphs)
         self._pieces = pieces(self.compiled, self.graphs)
         self._probed = not self.compiled
-        # each layer's projection groups: one product per group (q/k/v and gate/up over shared weights)
+        # each layer's projection groups: one product per group (q/k/v and gate/up over shared weights); an MoE
+        # layer's block instead of gate/up and down
+        self._moe = [moe_block(layer) for layer in self.layers]
         self._groups = [
             {"qkv": [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
-             "o_proj": [layer.self_attn.o_proj], "gate_up": [layer.mlp.gate_proj, layer.mlp.up_proj],
-             "down": [layer.mlp.down_proj]}
-            for layer in self.layers
+             "o_proj": [layer.self_attn.o_proj],
+             **({} if moe is not None else {"gate_up": [layer.mlp.gate_proj, layer.mlp.up_proj],
+                                           "down": [layer.mlp.down_proj]})}
+            for layer, moe in zip(self.layers, self._moe)
         ]
 
     @classmethod
@@ -205,14 +229,14 @@ class PackedLayers:
         """The model's PackedLayers (built once), or None where its family is not written out here (decided once)."""
         kept = model.__dict__.get(_KEPT)
         if kept is None:
-            kept = model.__dict__[_KEPT] = cls(model) if static_decode_supported(model, moe=False) else False
+            kept = model.__dict__[_KEPT] = cls(model) if _written_out(model) else False
         return kept or None
 
     def _layer_parts(self) -> list[LayerParts] | None:
         """Each layer's tensors for the pieces, with the active adapter's factors; None where some group's
         adapter is not plain."""
         parts = []
-        for layer, groups in zip(self.layers, self._groups):
+        for layer, groups, moe in zip(self.layers, self._groups, self._moe):
             factors = {name: _active_factors(modules) for name, modules in groups.items()}
             if any(f is None for f in factors.values()):
                 return None
@@ -222,8 +246,8 @@ class PackedLayers:
             part = LayerParts(
                 layer.input_layernorm.weight, bases["qkv"], factors["qkv"], None if q_norm is None else q_norm.weight,
                 None if k_norm is None else k_norm.weight, bases["o_proj"], factors["o_proj"],
-                layer.post_attention_layernorm.weight, bases["gate_up"], factors["gate_up"], bases["down"],
-                factors["down"])
+                layer.post_attention_layernorm.weight, bases.get("gate_up", ()), factors.get("gate_up", _NO_FACTORS),
+                bases.get("down", ()), factors.get("down", _NO_FACTORS), moe)
             if self.graphs:
                 _mark_static(part)
             parts.append(part)
@@ -306,10 +330,11 @@ class PackedLayers:
 
     def _layer(self, x: torch.Tensor, part: LayerParts, cos: torch.Tensor, sin: torch.Tensor,
                layout: PackedLayout) -> torch.Tensor:
-        """One decoder layer: the pre piece, attention over the packed rows, the post piece."""
+        """One decoder layer: the pre piece, attention over the packed rows, the post piece (an MoE layer: o_proj's
+        piece, then its block as a module)."""
         (norm, qkv, qkv_factors, q_norm, k_norm, o_proj, o_factors, post_norm, gate_up, gate_up_factors, down,
-         down_factors) = part
-        pre, post = self._pieces
+         down_factors, moe) = part
+        pre, post, residual = self._pieces
         shape = self.shape
         if self.compiled:
             _mark_tokens_dynamic(x)
@@ -319,19 +344,23 @@ class PackedLayers:
         out = out.reshape(out.shape[0], shape.heads * shape.head_dim)
         if self.compiled:
             _mark_tokens_dynamic(out)
+        if moe is not None:
+            x, normed = residual(out, x, o_proj, o_factors, post_norm, shape.eps)
+            return x + run_moe_block(moe, normed)
         return post(out, x, o_proj, o_factors, post_norm, gate_up, gate_up_factors, down, down_factors, shape.eps)
 
     def _probe(self, parts: list[LayerParts]) -> None:
-        """Compiles the pieces once, forward and backward, on a few tokens through the first layer's weights
-        (the backward is compiled at its first call, where a failure could not fall back): a compiler that
-        fails here leaves the path uncompiled, with the reason in ``compile_error``; with CUDA graphs, a failure
+        """Compiles the pieces once, forward and backward, on a few tokens through the first layer of each kind,
+        dense and MoE (the backward is compiled at its first call, where a failure could not fall back): a compiler
+        that fails here leaves the path uncompiled, with the reason in ``compile_error``; with CUDA graphs, a failure
         turns the graphs off and probes the compiled pieces again."""
         self._probed = True
         started = time.perf_counter()
         # the first training step of a process waits for the compiler (tens of seconds on a GPU): say so
         logger.info("packed layers: compiling the training layer pieces (once per process and model shape)")
         tokens = _PROBE_TOKENS
-        factors = parts[0].trained()
+        probed = list({part.moe is None: part for part in reversed(parts)}.values())  # the first of each kind
+        factors = [tensor for part in probed for tensor in part.trainable()]
         kept_grads = [t.grad for t in factors]  # a step's gradients accumulated so far stay as they are
         for tensor in factors:
             tensor.grad = None  # (the backward would add into them in place)
@@ -343,9 +372,11 @@ class PackedLayers:
                                 requires_grad=True)
                 cos, sin = self._rotation(x, torch.arange(tokens, device=self.device))
                 layout = PackedLayout.rows([tokens], self.device)
-                self._layer(x, parts[0], cos, sin, layout).float().square().mean().backward()
+                for part in probed:
+                    self._layer(x, part, cos, sin, layout).float().square().mean().backward()
             with torch.inference_mode():
-                self._layer(x.detach(), parts[0], cos, sin, layout)
+                for part in probed:
+                    self._layer(x.detach(), part, cos, sin, layout)
         except Exception as error:  # noqa: BLE001 - any compiler failure
             if isinstance(error, torch.OutOfMemoryError):
                 raise
@@ -386,3 +417,10 @@ def _mark_static(part: LayerParts) -> None:
     for tensor in tensors:
         if tensor is not None and getattr(tensor, "_dynamo_static_input_type", None) is None:
             torch._dynamo.mark_static_address(tensor)
+
+
+def _written_out(model: torch.nn.Module) -> bool:
+    """Whether this path computes ``model``'s layers: the static decoder's families, MoE blocks included, but
+    not attention with sinks (gpt-oss), which the packed attention (flash varlen, sdpa by segment) lacks."""
+    sinks = any(isinstance(getattr(layer.self_attn, "sinks", None), torch.Tensor) for layer in model.get_decoder().layers)
+    return not sinks and static_decode_supported(model)

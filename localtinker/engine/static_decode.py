@@ -88,7 +88,7 @@ def static_decode_supported(model: torch.nn.Module, moe: bool = True) -> bool:
     for layer in model.get_decoder().layers:
         attention = layer.self_attn
         groups += [[attention.q_proj, attention.k_proj, attention.v_proj], [attention.o_proj]]
-        if _moe_block(layer) is not None:
+        if moe_block(layer) is not None:
             if not moe:
                 return False
         elif any(p.dim() == 3 for p in layer.parameters()):
@@ -98,13 +98,13 @@ def static_decode_supported(model: torch.nn.Module, moe: bool = True) -> bool:
     return all(_plain([frozen_layer(module) for module in group]) for group in groups)
 
 
-def _moe_block(layer: torch.nn.Module) -> torch.nn.Module | None:
+def moe_block(layer: torch.nn.Module) -> torch.nn.Module | None:
     """The layer's mixture-of-experts block where its experts are fused ones expert_lora.py adapts, else None."""
     experts = getattr(layer.mlp, "experts", None)
     return layer.mlp if isinstance(experts, torch.nn.Module) and unsupported(experts) is None else None
 
 
-def _run_block(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def run_moe_block(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """An MoE block (router, experts, their LoRA: expert_lora.py) on rows ``x`` [tokens, hidden], as the model's
     layer runs it (on [batch, sequence, hidden]). Nothing in it waits for the host where the experts' products
     run as grouped GEMMs, so a CUDA graph captures it; where they cannot (``expert_lora.grouped_possible``), the
@@ -381,7 +381,7 @@ class StaticDecoder:
         self.shape = LayerShape.of(model)
         self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
         # each layer's MoE block (run as its module), or None where its MLP is plain linears (run as pieces)
-        self.moe = [_moe_block(layer) for layer in self.layers]
+        self.moe = [moe_block(layer) for layer in self.layers]
         layer_weights = sum(frozen_layer(module).weight.nbytes for layer, moe in zip(self.layers, self.moe)
                             for module in (*_attention_projections(layer), *([] if moe else _mlp_projections(layer))))
         self.joined = joined_by_default(self.device, layer_weights) if joined is None else joined
@@ -566,7 +566,7 @@ class StaticDecoder:
                 x = post_attention(out, x, o_proj, post_norm, gate_up, down, shape.eps)
             else:
                 x, normed = attention_residual(out, x, o_proj, post_norm, shape.eps)
-                x = x + _run_block(moe, normed)
+                x = x + run_moe_block(moe, normed)
         return rms(x, self.norm.weight, shape.eps)
 
     @torch.inference_mode()
@@ -698,6 +698,6 @@ class StaticDecoder:
                     x = post_attention(out, x, o_proj, post_norm, gate_up, down, shape.eps)
                 else:
                     x, normed = attention_residual(out, x, o_proj, post_norm, shape.eps)
-                    x = x + _run_block(moe, normed)
+                    x = x + run_moe_block(moe, normed)
         # no final soft cap: such models are not taken
         return project(rms(x, self.norm.weight, shape.eps), self.head.parts()).float()

@@ -20,7 +20,7 @@ from tests.localtinker.engine.families import FAMILIES, SLIDING_FAMILIES, family
 from tests.localtinker.engine.test_families import _datum
 
 TOLERANCE = 1e-5
-WRITTEN_OUT = ("llama", "qwen2", "qwen3", "mistral")
+WRITTEN_OUT = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 LENGTHS = (7, 19, 3)
 
 
@@ -179,7 +179,7 @@ def test_a_failing_compiler_leaves_the_layers_uncompiled_and_correct(tmp_path, m
 
     failing = PackedLayers(base, compiled=False)
     failing.compiled, failing._probed = True, False
-    failing._pieces = (broken, broken)
+    failing._pieces = (broken, broken, broken)
     with pytest.warns(RuntimeWarning, match="compiling the training layers failed"):
         ours, our_grads = _hidden_and_grads(engine, model_id, failing)
     assert not failing.compiled and failing.compile_error == "RuntimeError: inductor: no C++ compiler"
@@ -187,8 +187,9 @@ def test_a_failing_compiler_leaves_the_layers_uncompiled_and_correct(tmp_path, m
     _assert_grads_close(our_grads, their_grads, exact=True)
 
 
-def test_the_compile_probe_keeps_the_gradients_accumulated_so_far(tmp_path):
-    engine, model_id = _engine(tmp_path, "llama")
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])  # qwen3_moe: the experts' factors too
+def test_the_compile_probe_keeps_the_gradients_accumulated_so_far(tmp_path, family):
+    engine, model_id = _engine(tmp_path, family)
     model = engine._models[model_id]
     base = engine._hosts[model.base_name].base.model
     layers = PackedLayers(base, compiled=False)
@@ -200,13 +201,15 @@ def test_the_compile_probe_keeps_the_gradients_accumulated_so_far(tmp_path):
     assert all(torch.equal(p.grad, torch.full_like(p, 0.25)) for p in model.params.values())
 
 
-def test_compiled_pieces_train_as_the_uncompiled_ones(tmp_path):
+# qwen3: q/k norms, every part of the dense pieces; qwen3_moe: o_proj's piece before each MoE block
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_compiled_pieces_train_as_the_uncompiled_ones(tmp_path, family):
     """The GPU compiles the pieces; the CPU's compiler checks here that the traced forward and backward
     compute what the op-by-op ones do, for two token counts through one graph (dynamic in tokens)."""
     from torch._dynamo.utils import counters
 
-    engine, model_id = _engine(tmp_path, "qwen3")  # q/k norms: every part of the pieces
-    base = engine._hosts[str(family_dir("qwen3"))].base.model
+    engine, model_id = _engine(tmp_path, family)
+    base = engine._hosts[str(family_dir(family))].base.model
     plain, compiled = PackedLayers(base, compiled=False), PackedLayers(base, compiled=True)
     torch._dynamo.reset()
     counters.clear()

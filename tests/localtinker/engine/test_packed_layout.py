@@ -144,7 +144,7 @@ def test_segment_attention_equals_attending_each_datum_whole(system):
         torch.testing.assert_close(shared[index], expected, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("family,system", [("llama", 0), ("qwen3", 0), ("llama", 24)])
+@pytest.mark.parametrize("family,system", [("llama", 0), ("qwen3", 0), ("llama", 24), ("qwen3_moe", 0)])
 def test_the_written_out_layers_give_each_datum_its_whole_hidden_states_and_gradients(tmp_path, family, system):
     engine, model_id = _engine(tmp_path, family)
     model = engine._models[model_id]
