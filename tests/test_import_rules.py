@@ -29,11 +29,21 @@ print(json.dumps(sorted({name.split(".")[0] for name in sys.modules})))
 """
 
 
+@pytest.fixture(scope="module")
+def probes() -> dict[str, subprocess.Popen]:
+    """Every package's probe, started at once: each is a fresh interpreter importing a package's modules (torch,
+    transformers, dagster...), mostly waiting on files, so together they take about the time of the longest."""
+    started = {package: subprocess.Popen([sys.executable, "-c", _PROBE, package], cwd=REPO, text=True,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE) for package in FORBIDDEN}
+    yield started
+    for probe in started.values():
+        if probe.poll() is None:
+            probe.kill()
+
+
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
-def test_package_imports_only_what_the_layering_allows(package: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", _PROBE, package], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    loaded = set(json.loads(result.stdout.strip().splitlines()[-1]))
+def test_package_imports_only_what_the_layering_allows(probes: dict[str, subprocess.Popen], package: str) -> None:
+    stdout, stderr = probes[package].communicate(timeout=300)
+    assert probes[package].returncode == 0, stderr[-3000:]
+    loaded = set(json.loads(stdout.strip().splitlines()[-1]))
     assert not loaded & FORBIDDEN[package], f"{package} pulls in {sorted(loaded & FORBIDDEN[package])}"
