@@ -14,7 +14,7 @@ import torch
 from localtinker.engine.api import AdamSpec, LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
 from localtinker.engine.packed_rows import takes_varlen
-from tests.localtinker.engine.families import FAMILIES, family_dir
+from tests.localtinker.engine.families import FAMILIES, SLIDING_FAMILIES, family_dir
 from tests.localtinker.engine.reference import TINY, sft_datum
 from tests.localtinker.engine.test_families import check_family
 
@@ -32,11 +32,6 @@ def cuda_float32(tmp_path_factory) -> LocalEngine:
 @pytest.fixture(scope="module")
 def cuda_bf16(tmp_path_factory) -> LocalEngine:
     return LocalEngine(tmp_path_factory.mktemp("cuda-bf16"), dtype="bfloat16", device="cuda")
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_families_in_float32_on_the_gpu(cuda_float32, family, tmp_path):
-    check_family(cuda_float32, family, 1e-4, tmp_path)
 
 
 def _random_b(engine: LocalEngine, model_id: str) -> None:
@@ -388,6 +383,13 @@ def test_moe_decode_graphs_in_bf16_agree_with_the_trainer(tmp_path, monkeypatch)
     (decoder,) = pooled_decoders(engine._hosts[base].base.model)
     assert decoder.use_graphs and decoder.captured_graphs >= 1, decoder.graph_error
     _assert_bf16_sampler_is_the_trainer(engine, "cuda:train:moe", specs, results)
+
+
+# Near the end: the families, each compiling its own pieces, are most of this file's time (scripts/gpu_check.sh
+# runs them in a process of their own, after the rest, within its limit).
+@pytest.mark.parametrize("family", FAMILIES + SLIDING_FAMILIES)
+def test_families_in_float32_on_the_gpu(cuda_float32, family, tmp_path):
+    check_family(cuda_float32, family, 1e-4, tmp_path)
 
 
 def test_decode_graphs_with_sdpa_attention_agree_with_the_trainer(tmp_path, monkeypatch):
