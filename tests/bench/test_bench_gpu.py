@@ -1,0 +1,32 @@
+"""bench/bench_gpu.py --smoke: the whole flow on tiny shapes on the CPU, as scripts/gpu_check.sh runs it on a GPU.
+A device session is rare and short (one call of a few minutes), so a crash in the script must show here first.
+The figures of a smoke run measure nothing; what is checked is that every part ran and reported its figure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# the figures the issue's goals and the next device session's decisions read, as the 1B shape reports them
+FIGURES = ("1b.sft_ratio", "1b.chat_ratio", "1b.sample_ratio", "1b.grpo_ratio", "1b.ours.grpo_forward_backward_s",
+           "1b.ours.grpo_forward_backward_whole_rows_s", "1b.ours.sft_after_sampling_s",
+           "1b.sample_ratio_sdpa_attention", "1b.layers_logprob_max_gap")
+
+
+def test_the_gpu_bench_runs_every_part_on_tiny_shapes(tmp_path):
+    report = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "bench/bench_gpu.py", "--smoke", "--models", "1b", "--json", str(report)], cwd=REPO,
+        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "failed" not in result.stdout.lower(), result.stdout[-3000:]
+    figures = json.loads(report.read_text())
+    assert not [key for key in figures if key.endswith(".error")], figures
+    missing = [key for key in FIGURES if not isinstance(figures.get(key), float)]
+    assert not missing, (missing, result.stdout[-3000:])
+    assert all(figures[key] > 0 for key in FIGURES if key != "1b.layers_logprob_max_gap")
