@@ -9,6 +9,11 @@ of them into one. The step's keys and values are written into the cache inside t
 in the kernel that rotates k — a write into a slice of it would copy the slice); the two attention products
 stay outside.
 
+Gemma 2 and 3 (:data:`SANDWICH_FAMILIES`) differ from the Llama shape in four ways, each an argument here: norms
+of weight ``1 + w`` applied in float32 (``offset``), a norm after the attention and after the MLP as well as
+before each (:func:`sandwich_post_attention`), a GELU (tanh) gate, and Gemma 2's soft cap on the attention
+scores (``softcap`` of :func:`attention_weights`).
+
 A projection is ``(weight, bias, A, (s·B)ᵀ)``: the frozen base layer and, for an adapted layer, the adapter's
 factors (None for none) in the compute dtype, as lora.py's fused forward computes them. A *joined* projection
 is ``(weight, bias, None, (s·B)ᵀ)`` whose weight's last rows are A (static_decode.py's joined weights): one
@@ -31,6 +36,7 @@ Projection = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch
 MASKED = torch.finfo(torch.float32).min
 COMPILE_ENV = "LOCALTINKER_DECODE_COMPILE"  # "0" keeps a GPU's decode step uncompiled
 TRAIN_COMPILE_ENV = "LOCALTINKER_TRAIN_COMPILE"  # "0": the training pieces and the log-softmax run op by op
+SANDWICH_FAMILIES = frozenset({"gemma2", "gemma3_text"})  # four (1 + w) norms per layer, a GELU-tanh gate
 
 
 @dataclass(frozen=True)
@@ -51,14 +57,22 @@ class LayerShape:
         layer = model.get_decoder().layers[0]
         attention = layer.self_attn
         heads = int(config.num_attention_heads)
-        eps = float(layer.input_layernorm.variance_epsilon)
+        eps = _epsilon(layer.input_layernorm)
         return cls(head_dim=int(attention.head_dim), heads=heads,
                    kv_heads=int(getattr(config, "num_key_value_heads", None) or heads), scale=float(attention.scaling),
-                   eps=eps, qk_eps=float(attention.q_norm.variance_epsilon) if hasattr(attention, "q_norm") else eps)
+                   eps=eps, qk_eps=_epsilon(attention.q_norm) if hasattr(attention, "q_norm") else eps)
 
 
-def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The families' RMSNorm: float32 statistics, the weight applied in the input's dtype."""
+def _epsilon(norm: torch.nn.Module) -> float:
+    """A norm's epsilon: ``variance_epsilon`` in the Llama-shaped families, ``eps`` in Gemma's."""
+    return float(norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """The families' RMSNorm: float32 statistics, the weight applied in the input's dtype; with ``offset``
+    (Gemma), the weight ``1 + w`` applied in float32 and the product rounded once."""
+    if offset:
+        return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + weight.float())).to(x.dtype)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
@@ -102,15 +116,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def pre_attention(x: torch.Tensor, norm: torch.Tensor, qkv: Projection, q_norm: torch.Tensor | None,
                   k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-                  eps: float, qk_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The normed input's q/k/v as one product, q and k (normed, for Qwen3) rotated in one pass: q as
-    ``[rows, kv heads, group, dim]`` (a KV head's query heads as a short query sequence), k and v as
-    ``[rows, kv heads, dim]``."""
+                  eps: float, qk_eps: float, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The normed input's q/k/v as one product, q and k (normed, for Qwen3 and Gemma 3) rotated in one pass: q
+    as ``[rows, kv heads, group, dim]`` (a KV head's query heads as a short query sequence), k and v as
+    ``[rows, kv heads, dim]``. ``offset``: Gemma's norms (:func:`rms`)."""
     rows, head_dim = x.shape[0], cos.shape[-1]
-    q, k, v = project(rms(x, norm, eps), qkv).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q, k, v = project(rms(x, norm, eps, offset), qkv).split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
     q, k = q.reshape(rows, heads, head_dim), k.reshape(rows, kv_heads, head_dim)
     if q_norm is not None:
-        q, k = rms(q, q_norm, qk_eps), rms(k, k_norm, qk_eps)
+        q, k = rms(q, q_norm, qk_eps, offset), rms(k, k_norm, qk_eps, offset)
     qk = rotate(torch.cat((q, k), dim=1), cos, sin)
     return (qk[:, :heads].reshape(rows, kv_heads, heads // kv_heads, head_dim), qk[:, heads:],
             v.reshape(rows, kv_heads, head_dim))
@@ -119,22 +134,25 @@ def pre_attention(x: torch.Tensor, norm: torch.Tensor, qkv: Projection, q_norm: 
 def pre_attention_cached(x: torch.Tensor, norm: torch.Tensor, qkv: Projection, q_norm: torch.Tensor | None,
                          k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
                          eps: float, qk_eps: float, keys: torch.Tensor, values: torch.Tensor,
-                         index: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                         index: tuple[torch.Tensor, torch.Tensor, torch.Tensor], offset: bool = False) -> torch.Tensor:
     """:func:`pre_attention` for a decode step: k and v go into the layer's cache ``keys`` / ``values`` ``[slots,
     kv heads, columns, dim]`` at ``index`` (slot, kv head, column, each ``[rows, kv heads]``); returns q, contiguous
     (a view of the rotation's output would be copied before the attention's first product: a kernel per layer)."""
-    q, k, v = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, heads, kv_heads, eps, qk_eps)
+    q, k, v = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, heads, kv_heads, eps, qk_eps, offset)
     keys.index_put_(index, k)
     values.index_put_(index, v)
     return q.contiguous()
 
 
 def attention_weights(scores: torch.Tensor, hidden: torch.Tensor, scale: float,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """transformers' eager formula: scaled float32 scores, hidden columns masked, softmax, back to the dtype.
-    With ``sinks`` (gpt-oss; broadcast against the scores but for their last dimension), each row's sink logit
-    joins the softmax as one more column, dropped after it."""
-    z = (scores.float() * scale).masked_fill(hidden, MASKED)
+                      sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    """transformers' eager formula: scaled float32 scores (soft-capped, ``cap·tanh(z / cap)``, for Gemma 2),
+    hidden columns masked, softmax, back to the dtype. With ``sinks`` (gpt-oss; broadcast against the scores but
+    for their last dimension), each row's sink logit joins the softmax as one more column, dropped after it."""
+    z = scores.float() * scale
+    if softcap:
+        z = torch.tanh(z / softcap) * softcap
+    z = z.masked_fill(hidden, MASKED)
     if sinks is None:
         return torch.softmax(z, dim=-1).to(scores.dtype)
     column = sinks.float().expand(*z.shape[:-1], 1)
@@ -156,7 +174,17 @@ def attention_residual(out: torch.Tensor, x: torch.Tensor, o_proj: Projection, n
     return x, rms(x, norm, eps)
 
 
-PIECES = (pre_attention_cached, attention_weights, post_attention, attention_residual)
+def sandwich_post_attention(out: torch.Tensor, x: torch.Tensor, o_proj: Projection, post_attention_norm: torch.Tensor,
+                            pre_mlp_norm: torch.Tensor, gate_up: Projection, down: Projection,
+                            post_mlp_norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma 2/3's rest of the layer: o_proj normed onto the residual stream, then the MLP (GELU-tanh gate × up)
+    between its own two norms, onto it; every norm of weight ``1 + w`` (:func:`rms` with ``offset``)."""
+    x = x + rms(project(out, o_proj), post_attention_norm, eps, True)
+    gate, up = project(rms(x, pre_mlp_norm, eps, True), gate_up).chunk(2, dim=-1)
+    return x + rms(project(F.gelu(gate, approximate="tanh") * up, down), post_mlp_norm, eps, True)
+
+
+PIECES = (pre_attention_cached, attention_weights, post_attention, attention_residual, sandwich_post_attention)
 _compiled: dict[Callable, Callable] = {}
 
 

@@ -34,11 +34,11 @@ from typing import NamedTuple
 import torch
 
 from localtinker.engine.decode_layer import (
-    TRAIN_COMPILE_ENV, LayerShape, allow_recompiles, attention_residual, compile_by_default, post_attention,
-    pre_attention,
+    SANDWICH_FAMILIES, TRAIN_COMPILE_ENV, LayerShape, allow_recompiles, attention_residual, compile_by_default,
+    post_attention, pre_attention,
 )
 from localtinker.engine.expert_lora import adapters_of
-from localtinker.engine.families import layer_windows
+from localtinker.engine.families import architecture, layer_windows
 from localtinker.engine.packed_layout import PackedLayout
 from localtinker.engine.portable_attention import packed_causal_attention
 from localtinker.engine.static_decode import (
@@ -421,6 +421,7 @@ def _mark_static(part: LayerParts) -> None:
 
 def _written_out(model: torch.nn.Module) -> bool:
     """Whether this path computes ``model``'s layers: the static decoder's families, MoE blocks included, but
-    not attention with sinks (gpt-oss), which the packed attention (flash varlen, sdpa by segment) lacks."""
+    not attention with sinks (gpt-oss), which the packed attention (flash varlen, sdpa by segment) lacks, nor
+    Gemma's layers (their norms and soft caps are written out for decoding only)."""
     sinks = any(isinstance(getattr(layer.self_attn, "sinks", None), torch.Tensor) for layer in model.get_decoder().layers)
-    return not sinks and static_decode_supported(model)
+    return not sinks and architecture(model.config) not in SANDWICH_FAMILIES and static_decode_supported(model)

@@ -3,8 +3,9 @@
 A decode step through transformers' layers is well over a thousand kernel launches for a 1B model; on a
 GPU the host cannot issue them as fast as the card runs them (docs/localtinker-gpu.md). This step is
 written out for the Llama-shaped families (Llama, Qwen2, Qwen3, Mistral; Qwen3-MoE and gpt-oss with their MoE
-blocks run as modules inside the step; sliding windows, on the layers the config names, as one more mask, and
-gpt-oss's attention sinks as one more softmax column) over buffers that never move, so the whole step is
+blocks run as modules inside the step; Gemma 2 and 3 with their four norms, GELU and soft caps; sliding windows,
+on the layers the config names, as one more mask, and gpt-oss's attention sinks as one more softmax column) over
+buffers that never move, so the whole step is
 captured once per (rows, columns) bucket and replayed with one launch.
 
 Layout: ``keys[layer]`` / ``values[layer]`` are ``[slots, kv heads, columns, head dim]``; a row's token at
@@ -42,8 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from localtinker.engine.decode_layer import (
-    LayerShape, Projection, attention_residual, compile_by_default, compiled_once, pieces, post_attention,
-    pre_attention, project, rms,
+    SANDWICH_FAMILIES, LayerShape, Projection, attention_residual, compile_by_default, compiled_once, pieces,
+    post_attention, pre_attention, project, rms, sandwich_post_attention,
 )
 from localtinker.engine.expert_lora import adapters_of, grouped_possible, unsupported
 from localtinker.engine.families import architecture, final_softcap, layer_windows, text_config
@@ -51,7 +52,7 @@ from localtinker.engine.packed_layout import PackedLayout
 from localtinker.engine.portable_attention import explicit_attention, packed_causal_attention
 from localtinker.engine.token_choice import choose_in_step
 
-STATIC_DECODE_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss"})
+STATIC_DECODE_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", *SANDWICH_FAMILIES})
 MIN_COLUMNS = 128  # a graph is captured per power-of-two bucket of rows and of attended columns
 _POOL = "_localtinker_static_decoders"  # on the base model: decoders whose batch has drained, graphs kept
 _KEPT_DECODERS = 2
@@ -71,14 +72,15 @@ def pooled_decoders(model: torch.nn.Module) -> list[StaticDecoder]:
 
 
 def static_decode_supported(model: torch.nn.Module, moe: bool = True) -> bool:
-    """Whether :class:`StaticDecoder` computes this model's own decode step: a Llama-shaped family whose MLPs
-    are plain linears, or (``moe``) a mixture-of-experts block over fused experts that expert_lora.py adapts,
+    """Whether :class:`StaticDecoder` computes this model's own decode step: a Llama-shaped family (or Gemma 2/3)
+    whose MLPs are plain linears, or (``moe``) a mixture-of-experts block over fused experts that expert_lora.py adapts,
     which then runs as its own module inside the step (router, experts and their LoRA alike)."""
     config = model.config
     text = text_config(config)
     family = architecture(config)
-    if not (family in STATIC_DECODE_FAMILIES and not final_softcap(config)
-            and getattr(text, "hidden_act", "silu") == "silu"):
+    gate = "gelu_pytorch_tanh" if family in SANDWICH_FAMILIES else "silu"
+    activation = getattr(text, "hidden_activation", None) or getattr(text, "hidden_act", "silu")
+    if family not in STATIC_DECODE_FAMILIES or activation != gate:
         return False
     try:
         layer_windows(config)  # sliding windows are masked per layer; other layer types are not written out
@@ -114,9 +116,10 @@ def run_moe_block(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], scale: float,
-                      window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+                      window: int | None, sinks: torch.Tensor | None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of prompts packed end to end (q [tokens, heads, d], k and v [tokens, kv heads, d]) with a
-    sliding ``window`` and/or ``sinks`` ([kv heads, group, 1]), prompt by prompt through the explicit product
+    sliding ``window``, ``sinks`` ([kv heads, group, 1]) and/or a soft cap on the scores (Gemma 2), prompt by
+    prompt through the explicit product
     (portable_attention.py): a prefill is not captured, and its prompts' [n × n] scores are small. Returns
     [tokens, heads, d]."""
     outputs, start = [], 0
@@ -125,7 +128,7 @@ def _prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
         visible = torch.ones((n, n), dtype=torch.bool, device=q.device).tril()
         if window:
             visible &= ~torch.ones((n, n), dtype=torch.bool, device=q.device).tril(-window)
-        outputs.append(explicit_attention(queries, keys, values, visible[None, None], scale, None,
+        outputs.append(explicit_attention(queries, keys, values, visible[None, None], scale, softcap,
                                           None if sinks is None else sinks.reshape(-1))[0])
         start += n
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
@@ -401,7 +404,7 @@ class StaticDecoder:
         # the in-graph token choice's inputs, per slot (see CONTROLS), and output
         self.controls = torch.zeros((len(CONTROLS), 0), dtype=torch.float32, device=self.device)
         self.chosen_logprobs = torch.zeros((0,), dtype=torch.float32, device=self.device)
-        self._cos = self._sin = self._column_ids = self._slot_ids = None
+        self._column_ids = self._slot_ids = None
         self._kv_head_ids = torch.arange(self.shape.kv_heads, device=self.device)
         self._graphs: dict[tuple[int, int, bool], tuple[Any, torch.Tensor]] = {}
         self.use_graphs = self.device.type == "cuda"
@@ -422,8 +425,18 @@ class StaticDecoder:
         group = self.shape.heads // self.shape.kv_heads
         self.sinks = [None if getattr(layer.self_attn, "sinks", None) is None
                       else layer.self_attn.sinks.detach().reshape(self.shape.kv_heads, group, 1) for layer in self.layers]
+        # Gemma 2/3: four norms of weight 1 + w per layer (decode_layer.sandwich_post_attention), soft caps on the
+        # attention scores (Gemma 2) and on the logits; Gemma 3 rotates its sliding-window layers by their own
+        # frequencies (one table per layer type)
+        text = text_config(model.config)
+        self.sandwich = architecture(model.config) in SANDWICH_FAMILIES
+        self.softcap = final_softcap(model.config)
+        self.attention_softcap = getattr(text, "attn_logit_softcapping", None) or None
+        per_type = getattr(self.rotary, "layer_types", None) is not None
+        self.rotations = list(text.layer_types) if per_type else [None] * len(self.layers)
+        self._tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         self.sdpa_attention = (os.environ.get(ATTENTION_ENV) == "sdpa" and not any(self.windows)
-                               and all(sinks is None for sinks in self.sinks))
+                               and all(sinks is None for sinks in self.sinks) and not self.attention_softcap)
         self._layer_parts = self._parts()
 
     @property
@@ -481,7 +494,9 @@ class StaticDecoder:
             (layer.input_layernorm.weight, parts["qkv"].parts(), norm_weight(getattr(layer.self_attn, "q_norm", None)),
              norm_weight(getattr(layer.self_attn, "k_norm", None)), parts["o_proj"].parts(),
              layer.post_attention_layernorm.weight, parts["gate_up"].parts() if "gate_up" in parts else None,
-             parts["down_proj"].parts() if "down_proj" in parts else None)
+             parts["down_proj"].parts() if "down_proj" in parts else None,
+             norm_weight(getattr(layer, "pre_feedforward_layernorm", None)),
+             norm_weight(getattr(layer, "post_feedforward_layernorm", None)))
             for layer, parts in zip(self.layers, self.projections)
         ]
 
@@ -518,10 +533,14 @@ class StaticDecoder:
         self.chosen_logprobs = torch.zeros((slots,), dtype=torch.float32, device=self.device)
         self.slots, self.columns = slots, columns
         ids = torch.arange(columns, device=self.device)
-        cos, sin = self.rotary(self.embed.weight[:1][None], ids[None])
-        if cos.shape[-1] * 2 == self.shape.head_dim:  # gpt-oss gives each frequency once: rotate takes it twice
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-        self._cos, self._sin, self._column_ids = cos[0], sin[0], ids
+        self._tables = {}
+        for kind in dict.fromkeys(self.rotations):
+            extra = () if kind is None else (kind,)  # Gemma 3: each layer type's own frequencies
+            cos, sin = self.rotary(self.embed.weight[:1][None], ids[None], *extra)
+            if cos.shape[-1] * 2 == self.shape.head_dim:  # gpt-oss gives each frequency once: rotate takes it twice
+                cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+            self._tables[kind] = (cos[0], sin[0])
+        self._column_ids = ids
         self._slot_ids = torch.arange(slots, device=self.device)
         self._drop_graphs()
 
@@ -548,26 +567,31 @@ class StaticDecoder:
         index = (slot_of[:, None].expand(wide), self._kv_head_ids[None].expand(wide),
                  positions[row_of][:, None].expand(wide))
         layout = PackedLayout.rows(lengths, self.device)
-        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
+        tables = {kind: (cos[positions][:, None], sin[positions][:, None]) for kind, (cos, sin) in self._tables.items()}
         x = self.embed(tokens)
-        for (norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down), moe, keys, values, window, sinks in zip(
-                self._layer_parts, self.moe, self.keys, self.values, self.windows, self.sinks):
-            q, k, v = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, shape.heads, shape.kv_heads, shape.eps,
-                                    shape.qk_eps)
+        for part, moe, keys, values, window, sinks, kind in zip(
+                self._layer_parts, self.moe, self.keys, self.values, self.windows, self.sinks, self.rotations):
+            norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down, pre_mlp_norm, post_mlp_norm = part
+            q, k, v = pre_attention(x, norm, qkv, q_norm, k_norm, *tables[kind], shape.heads, shape.kv_heads, shape.eps,
+                                    shape.qk_eps, self.sandwich)
             keys.index_put_(index, k[row_of])
             values.index_put_(index, v[row_of])
             q = q.reshape(len(positions), shape.heads, shape.head_dim)
-            if sinks is None and (window is None or max(lengths) <= window):  # no prompt reaches past its window
+            if (sinks is None and not self.attention_softcap
+                    and (window is None or max(lengths) <= window)):  # no prompt reaches past its window
                 out = packed_causal_attention(q, k, v, layout, shape.scale)
             else:
-                out = _prompt_attention(q, k, v, lengths, shape.scale, window, sinks)
+                out = _prompt_attention(q, k, v, lengths, shape.scale, window, sinks, self.attention_softcap)
             out = out.reshape(len(positions), shape.heads * shape.head_dim)
-            if moe is None:
+            if self.sandwich:
+                x = sandwich_post_attention(out, x, o_proj, post_norm, pre_mlp_norm, gate_up, down, post_mlp_norm,
+                                            shape.eps)
+            elif moe is None:
                 x = post_attention(out, x, o_proj, post_norm, gate_up, down, shape.eps)
             else:
                 x, normed = attention_residual(out, x, o_proj, post_norm, shape.eps)
                 x = x + run_moe_block(moe, normed)
-        return rms(x, self.norm.weight, shape.eps)
+        return rms(x, self.norm.weight, shape.eps, self.sandwich)
 
     @torch.inference_mode()
     def keep(self, index: torch.Tensor, count: int) -> None:
@@ -666,13 +690,14 @@ class StaticDecoder:
     def _forward(self, rows: int, columns: int) -> torch.Tensor:
         shape = self.shape
         tokens, positions = self.tokens[:rows], self.positions[:rows]
-        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]  # [rows, 1, dim]
+        # each rotation table's rows at the step's positions: [rows, 1, dim]
+        tables = {kind: (cos[positions][:, None], sin[positions][:, None]) for kind, (cos, sin) in self._tables.items()}
         hidden = (self._column_ids[:columns][None] > positions[:, None])[:, None, None]  # [rows, 1, 1, columns]
         # where this step's keys and values go: (slot, kv head, column = position), each [rows, kv heads]
         wide = (rows, shape.kv_heads)
         index = (self._slot_ids[:rows, None].expand(wide), self._kv_head_ids[None].expand(wide),
                  positions[:, None].expand(wide))
-        pre_attention, attention_weights, post_attention, attention_residual = self._pieces
+        pre_attention, attention_weights, post_attention, attention_residual, sandwich_post_attention = self._pieces
         bias = None
         if self.sdpa_attention:  # hidden columns as an additive bias, once per step: [rows, 1, 1, columns]
             bias = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill(hidden, float("-inf"))
@@ -682,22 +707,28 @@ class StaticDecoder:
             windowed = hidden | (self._column_ids[:columns][None] <= positions[:, None] - window)[:, None, None]
         x = self.embed(tokens)
         with _sdpa_backend(self.sdpa_attention and self.device.type == "cuda"):
-            for (norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down), moe, keys, values, window, sinks in zip(
-                    self._layer_parts, self.moe, self.keys, self.values, self.windows, self.sinks):
-                q = pre_attention(x, norm, qkv, q_norm, k_norm, cos, sin, shape.heads, shape.kv_heads, shape.eps,
-                                  shape.qk_eps, keys, values, index)
+            for part, moe, keys, values, window, sinks, kind in zip(
+                    self._layer_parts, self.moe, self.keys, self.values, self.windows, self.sinks, self.rotations):
+                norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down, pre_mlp_norm, post_mlp_norm = part
+                q = pre_attention(x, norm, qkv, q_norm, k_norm, *tables[kind], shape.heads, shape.kv_heads,
+                                  shape.eps, shape.qk_eps, keys, values, index, self.sandwich)
                 keys, values = keys[:rows, :, :columns], values[:rows, :, :columns]
                 if bias is not None:
                     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=shape.scale)
                 else:
                     weights = attention_weights(torch.matmul(q, keys.transpose(-1, -2)),
-                                                hidden if window is None else windowed, shape.scale, sinks)
+                                                hidden if window is None else windowed, shape.scale, sinks,
+                                                self.attention_softcap)
                     out = torch.matmul(weights, values)  # [rows, kv heads, group, dim]
                 out = out.reshape(rows, shape.heads * shape.head_dim)
-                if moe is None:
+                if self.sandwich:
+                    x = sandwich_post_attention(out, x, o_proj, post_norm, pre_mlp_norm, gate_up, down,
+                                                post_mlp_norm, shape.eps)
+                elif moe is None:
                     x = post_attention(out, x, o_proj, post_norm, gate_up, down, shape.eps)
                 else:
                     x, normed = attention_residual(out, x, o_proj, post_norm, shape.eps)
                     x = x + run_moe_block(moe, normed)
-        # no final soft cap: such models are not taken
-        return project(rms(x, self.norm.weight, shape.eps), self.head.parts()).float()
+        logits = project(rms(x, self.norm.weight, shape.eps, self.sandwich), self.head.parts()).float()
+        # Gemma's final soft cap, on the float32 logits as chunked_logprobs.output_logits applies it
+        return logits if not self.softcap else torch.tanh(logits / self.softcap) * self.softcap

@@ -12,7 +12,7 @@ import torch
 
 from localtinker.engine.packaged import cached_model_dir, localtinker_home, smollm2_hf_dir
 
-_VERSION = "v1"
+_VERSION = "v2"  # v2: Gemma 2's attention soft cap 1, Gemma 3 with a full layer
 _COMMON = dict(
     vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=4096,
@@ -32,10 +32,14 @@ def _configs() -> dict[str, object]:
         "qwen2": Qwen2Config(**_COMMON, tie_word_embeddings=True),
         "qwen3": Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=True),
         "mistral": MistralConfig(**_COMMON, head_dim=16, tie_word_embeddings=False),
+        # soft caps low enough to bend these tiny models' scores and logits (Gemma 2's real ones, 50 and 30, would
+        # not move them beyond float32 rounding); Gemma 3 with a sliding and a full layer, each rotated by its own
+        # frequencies
         "gemma2": Gemma2Config(**_COMMON, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
-                               final_logit_softcapping=3.0, attn_logit_softcapping=50.0),
+                               final_logit_softcapping=3.0, attn_logit_softcapping=1.0),
         "gemma3_text": Gemma3TextConfig(**_COMMON, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
-                                        final_logit_softcapping=3.0),
+                                        final_logit_softcapping=3.0,
+                                        layer_types=["sliding_attention", "full_attention"]),
         "qwen3_moe": Qwen3MoeConfig(**_COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4,
                                     num_experts_per_tok=2, tie_word_embeddings=True),
         # attention sinks, biases everywhere, sliding windows on alternate layers, experts transposed with gate and
