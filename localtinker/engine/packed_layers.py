@@ -15,9 +15,7 @@ bf16/fp16, one sdpa per segment elsewhere.
 Taken where static decode is (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE; not gpt-oss, whose attention sinks the
 packed attention lacks) and the active adapter is plain (lora.py); anything else runs transformers' layers. An MoE
 layer's block (router, experts and their LoRA: expert_lora.py) runs as its own module between o_proj's piece and
-the next layer, as in the static decoder. A model with sliding windows is taken for the calls whose datums all
-fit in its window (:meth:`PackedLayers.attends_fully`), where the window hides nothing, so full attention is
-exact; a longer datum sends the call through transformers' layers, which apply the window. ``LOCALTINKER_TRAIN_LAYERS=0`` turns
+the next layer, as in the static decoder. Sliding-window layers pass their window to the packed attention. ``LOCALTINKER_TRAIN_LAYERS=0`` turns
 this path off, ``LOCALTINKER_TRAIN_COMPILE=0`` keeps it uncompiled; ``LOCALTINKER_TRAIN_GRAPHS=1`` replays the
 compiled pieces as CUDA graphs over a few buckets of packed length (opt-in until measured on a GPU).
 """
@@ -174,6 +172,7 @@ class LayerParts(NamedTuple):
     down: tuple  # () in an MoE layer
     down_factors: Factors
     moe: torch.nn.Module | None = None  # an MoE layer's block, run as its own module
+    window: int | None = None  # a sliding-window layer's window
 
     def trained(self) -> list[torch.Tensor]:
         """The adapter's factor parameters the pieces read (not the experts' own, which their block reads)."""
@@ -203,8 +202,7 @@ class PackedLayers:
         self.layers = list(decoder.layers)
         self.shape = LayerShape.of(model)
         self.device = self.embed.weight.device
-        # the narrowest sliding window of any layer (None: all attend fully); see attends_fully
-        self.window = min((w for w in layer_windows(model.config) if w), default=None)
+        self.windows = layer_windows(model.config)  # each layer's sliding window (None: it attends fully)
         by_default, why_not = compile_by_default(self.device, TRAIN_COMPILE_ENV)
         self.compiled = by_default if compiled is None else compiled
         self.compile_error: str | None = None if self.compiled else why_not
@@ -236,7 +234,7 @@ class PackedLayers:
         """Each layer's tensors for the pieces, with the active adapter's factors; None where some group's
         adapter is not plain."""
         parts = []
-        for layer, groups, moe in zip(self.layers, self._groups, self._moe):
+        for layer, groups, moe, window in zip(self.layers, self._groups, self._moe, self.windows):
             factors = {name: _active_factors(modules) for name, modules in groups.items()}
             if any(f is None for f in factors.values()):
                 return None
@@ -247,17 +245,11 @@ class PackedLayers:
                 layer.input_layernorm.weight, bases["qkv"], factors["qkv"], None if q_norm is None else q_norm.weight,
                 None if k_norm is None else k_norm.weight, bases["o_proj"], factors["o_proj"],
                 layer.post_attention_layernorm.weight, bases.get("gate_up", ()), factors.get("gate_up", _NO_FACTORS),
-                bases.get("down", ()), factors.get("down", _NO_FACTORS), moe)
+                bases.get("down", ()), factors.get("down", _NO_FACTORS), moe, window)
             if self.graphs:
                 _mark_static(part)
             parts.append(part)
         return parts
-
-    def attends_fully(self, longest: int) -> bool:
-        """Whether datums of at most ``longest`` tokens see every earlier position in every layer: a sliding
-        window hides the keys ``window`` or more positions back, which a datum no longer than the window lacks.
-        These layers attend fully, so a call with a longer datum runs transformers' layers."""
-        return self.window is None or longest <= self.window
 
     def computes_active_adapter(self) -> bool:
         """Whether :meth:`hidden` computes the adapter active now (else transformers' layers must run)."""
@@ -266,9 +258,9 @@ class PackedLayers:
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, layout: PackedLayout) -> torch.Tensor | None:
         """The final-normed hidden states ``[tokens, hidden]`` of a packed micro-batch (packed_layout.py: its
         tokens' positions and attention segments, on the device); None where the active adapter is not one this
-        path computes, or a segment reaches past a sliding window (the caller then runs transformers' layers)."""
+        path computes (the caller then runs transformers' layers)."""
         parts = self._layer_parts()
-        if parts is None or not self.attends_fully(layout.max_k):
+        if parts is None:
             return None
         if not self._probed:
             self._probe(parts)
@@ -333,14 +325,14 @@ class PackedLayers:
         """One decoder layer: the pre piece, attention over the packed rows, the post piece (an MoE layer: o_proj's
         piece, then its block as a module)."""
         (norm, qkv, qkv_factors, q_norm, k_norm, o_proj, o_factors, post_norm, gate_up, gate_up_factors, down,
-         down_factors, moe) = part
+         down_factors, moe, window) = part
         pre, post, residual = self._pieces
         shape = self.shape
         if self.compiled:
             _mark_tokens_dynamic(x)
         q, k, v = pre(x, norm, *qkv, qkv_factors, q_norm, k_norm, cos, sin, shape.heads, shape.kv_heads, shape.eps,
                       shape.qk_eps)
-        out = packed_causal_attention(q, k, v, layout, shape.scale)
+        out = packed_causal_attention(q, k, v, layout, shape.scale, window)
         out = out.reshape(out.shape[0], shape.heads * shape.head_dim)
         if self.compiled:
             _mark_tokens_dynamic(out)

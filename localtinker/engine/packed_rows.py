@@ -81,11 +81,7 @@ def packed_token_rows(
 ) -> Iterator[TokenRows]:
     """Hidden states of every datum position, one packed micro-batch of at most ``budget`` tokens at a time;
     through ``layers`` (packed_layers.py) where given and it computes the active adapter, else transformers'
-    layers. Through ``layers``, datums that share a prompt run it once (packed_layout.py, :data:`SHARE_PROMPTS`).
-    A model with sliding windows takes ``layers`` only where every datum fits in its window (the whole call, so
-    that shared prompts are laid out only where the written-out layers compute them)."""
-    if layers is not None and not layers.attends_fully(max((len(t) for t in tokens), default=0)):
-        layers = None
+    layers. Through ``layers``, datums that share a prompt run it once (packed_layout.py, :data:`SHARE_PROMPTS`)."""
     share = SHARE_PROMPTS and layers is not None and layers.computes_active_adapter()
     for batch in packed_batches(tokens, targets, budget, share):
         yield packed_rows(decoder, batch, device, layers)

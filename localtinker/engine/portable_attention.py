@@ -206,15 +206,17 @@ def _varlen_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
-                            scaling: float) -> torch.Tensor:
+                            scaling: float, window: int | None = None) -> torch.Tensor:
     """Causal attention of packed rows by ``layout``'s segments (packed_layout.py): q [tokens, heads, d], k and v
     [tokens, kv heads, d], gathered into the segments' key order where the layout shares prompts. Returns
     [tokens, heads, d]. The flash varlen kernel on CUDA in bf16/fp16 (packed_layers.py's path); elsewhere one
-    sdpa per segment, the same function (a segment shorter than its keys sees them all but its own future)."""
+    sdpa per segment, the same function (a segment shorter than its keys sees them all but its own future).
+    A key segment is its datum's positions from 0, so with a sliding ``window`` a query at position p sees the
+    keys after p − window, as transformers' sliding masks and the kernel's window (aligned at the keys' end) do."""
     if layout.key_rows is not None:
         k, v = k.index_select(0, layout.key_rows), v.index_select(0, layout.key_rows)
     if varlen_available(q.device) and q.dtype in (torch.bfloat16, torch.float16):
-        return _varlen_core(q, k, v, layout.cu_q, layout.max_q, scaling, None, layout.cu_k, layout.max_k)
+        return _varlen_core(q, k, v, layout.cu_q, layout.max_q, scaling, window, layout.cu_k, layout.max_k)
     group = q.shape[1] // k.shape[1]
     outputs, q_start, k_start = [], 0, 0
     for q_length, k_length in zip(layout.q_lengths, layout.k_lengths):
@@ -224,10 +226,13 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         q_start, k_start = q_start + q_length, k_start + k_length
         if group > 1:
             keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
-        if q_length == k_length:
+        offset = k_length - q_length  # causal aligned at the end: query i sees keys ≤ i + offset
+        if offset == 0 and not (window and k_length > window):
             options: dict[str, Any] = {"is_causal": True}
-        else:  # causal aligned at the end: query i sees keys ≤ i + (k_length − q_length)
-            visible = torch.ones((q_length, k_length), dtype=torch.bool, device=q.device).tril(k_length - q_length)
+        else:
+            visible = torch.ones((q_length, k_length), dtype=torch.bool, device=q.device).tril(offset)
+            if window:  # and none at or before its position − window
+                visible &= ~torch.ones_like(visible).tril(offset - window)
             options = {"attn_mask": visible}
         out = torch.nn.functional.scaled_dot_product_attention(queries[None], keys[None], values[None], scale=scaling,
                                                                **options)

@@ -119,39 +119,18 @@ def test_an_adapter_this_path_cannot_compute_runs_transformers_layers(tmp_path):
 
 
 @pytest.mark.parametrize("family", SLIDING_FAMILIES)
-def test_sliding_windows_take_the_layers_for_datums_that_fit_them(tmp_path, family, monkeypatch):
-    """A window of 8 (Mistral's on every layer, Qwen2's on one): datums of at most 8 tokens see every earlier
-    position, so the written-out layers (full attention) equal transformers' windowed layers and the engine
-    trains through them; a call with a longer datum runs transformers' layers, whether through the engine or
-    handed to ``packed_rows`` directly (the trainer's equality with the model's own forward past the window is
-    test_families.py's)."""
+def test_sliding_windows_in_the_layers_equal_transformers_windowed_layers(tmp_path, family):
+    """A window of 8 (Mistral's on every layer, Qwen2's on its second): each layer passes its own window to the
+    packed attention, so datums longer than it get the hidden states and gradients of transformers' windowed
+    layers (the trainer's equality with the model's own forward is test_families.py's)."""
     engine, model_id = _engine(tmp_path, family, train_layers=True)
     layers = PackedLayers.for_model(engine._hosts[str(family_dir(family))].base.model)
-    assert layers is not None and layers.window == 8
-    assert layers.attends_fully(8) and not layers.attends_fully(9)
-    fitting, longer = _tokens(1, (8, 5, 3)), _tokens(2, (9, 3))
-    ours, our_grads = _hidden_and_grads(engine, model_id, layers, tokens=fitting)
-    theirs, their_grads = _hidden_and_grads(engine, model_id, None, tokens=fitting)
+    assert layers is not None and 8 in layers.windows
+    tokens = _tokens(1, (19, 8, 3))
+    ours, our_grads = _hidden_and_grads(engine, model_id, layers, tokens=tokens)
+    theirs, their_grads = _hidden_and_grads(engine, model_id, None, tokens=tokens)
     torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=0)
     _assert_grads_close(our_grads, their_grads)
-    ours, _ = _hidden_and_grads(engine, model_id, layers, tokens=longer)
-    theirs, _ = _hidden_and_grads(engine, model_id, None, tokens=longer)
-    torch.testing.assert_close(ours, theirs, atol=0, rtol=0)  # the same (transformers') layers
-
-    computed = []
-    original = PackedLayers.hidden
-
-    def recording(self, *args):
-        hidden = original(self, *args)
-        computed.append(hidden is not None)
-        return hidden
-
-    monkeypatch.setattr(PackedLayers, "hidden", recording)
-    for lengths, expected in (((9, 6, 4), [True]), ((10, 4), [])):  # datums of 8, 5, 3 tokens; of 9 and 3
-        computed.clear()
-        datums = [_datum(t.numpy()) for t in _tokens(3, lengths)]
-        engine.forward_backward(model_id, datums, "cross_entropy", None, False)
-        assert computed == expected
 
 
 def test_the_engine_trains_through_the_layers_when_asked(tmp_path, monkeypatch):

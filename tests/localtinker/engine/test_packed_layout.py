@@ -107,10 +107,12 @@ def test_datums_with_one_prompt_but_targets_of_their_own_share_only_where_the_ta
     assert batch.tokens == 20 + 3 * 10  # 20 positions agree on their targets: laid once
 
 
-def segment_attention_by_datum(device: torch.device, dtype: torch.dtype, system: int = 0) -> tuple[dict, dict]:
+def segment_attention_by_datum(device: torch.device, dtype: torch.dtype, system: int = 0,
+                               window: int | None = None) -> tuple[dict, dict]:
     """Each datum's attention output rows under the shared layout and under whole rows, for random q/k/v whose
     row depends on the datum's tokens up to it (so prompt rows are the same in every member; grouped-query heads);
-    ``system``: a system prompt in front of every prompt (laid once as the micro-batch's root)."""
+    ``system``: a system prompt in front of every prompt (laid once as the micro-batch's root); ``window``: a
+    sliding window."""
     tokens, targets = _grouped(seed=3, system=system)
     [shared] = packed_batches(tokens, targets, budget=10**6, share=True)
     [whole] = packed_batches(tokens, targets, budget=10**6, share=False)
@@ -131,20 +133,45 @@ def segment_attention_by_datum(device: torch.device, dtype: torch.dtype, system:
     for batch in (shared, whole):
         q, k, v = qkv(batch).split([256, 128, 128], dim=1)
         out = packed_causal_attention(q.reshape(-1, 4, 64), k.reshape(-1, 2, 64), v.reshape(-1, 2, 64),
-                                      batch.layout(device), scaling=64**-0.5)
+                                      batch.layout(device), scaling=64**-0.5, window=window)
         outputs.append({index: out[r.to(device)].float().cpu() for index, r in batch.datum_rows.items()})
     return outputs[0], outputs[1]
 
 
+@pytest.mark.parametrize("window", [None, 7], ids=["causal", "window"])
 @pytest.mark.parametrize("system", [0, 24], ids=["prompts", "system-prompt"])
-def test_segment_attention_equals_attending_each_datum_whole(system):
-    """The shared layout's attention gives each datum's rows what causal attention over the datum alone gives."""
-    shared, whole = segment_attention_by_datum(CPU, torch.float32, system)
+def test_segment_attention_equals_attending_each_datum_whole(system, window):
+    """The shared layout's attention gives each datum's rows what causal attention over the datum alone gives,
+    with a sliding window too (a member's queries are its keys' last rows: the window is aligned at their end)."""
+    shared, whole = segment_attention_by_datum(CPU, torch.float32, system, window)
     for index, expected in whole.items():
         torch.testing.assert_close(shared[index], expected, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("family,system", [("llama", 0), ("qwen3", 0), ("llama", 24), ("qwen3_moe", 0)])
+def test_a_sliding_window_hides_the_keys_as_transformers_mask_does():
+    """Packed rows with a window of 5 against the explicit product under transformers' own sliding mask, datum by
+    datum: a query at position p sees keys p − 4 … p."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    from localtinker.engine.portable_attention import explicit_attention
+
+    generator = torch.Generator().manual_seed(1)
+    lengths = [12, 3, 9]
+    q, k, v = (torch.randn(sum(lengths), heads, 16, generator=generator) for heads in (4, 2, 2))
+    out = packed_causal_attention(q, k, v, PackedLayout.rows(lengths, CPU), scaling=0.25, window=5)
+    start = 0
+    for n in lengths:
+        visible = sliding_window_causal_mask_function(5)(torch.tensor(0), torch.tensor(0), torch.arange(n)[:, None],
+                                                         torch.arange(n)[None])
+        assert visible[n - 1].sum() == min(n, 5)
+        rows = slice(start, start + n)
+        expected = explicit_attention(*(t[rows].transpose(0, 1)[None] for t in (q, k, v)), visible[None, None], 0.25)
+        torch.testing.assert_close(out[rows], expected[0], atol=1e-6, rtol=0)
+        start += n
+
+
+@pytest.mark.parametrize("family,system", [("llama", 0), ("qwen3", 0), ("llama", 24), ("qwen3_moe", 0),
+                                           ("mistral_sliding", 24)])
 def test_the_written_out_layers_give_each_datum_its_whole_hidden_states_and_gradients(tmp_path, family, system):
     engine, model_id = _engine(tmp_path, family)
     model = engine._models[model_id]
