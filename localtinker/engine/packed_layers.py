@@ -33,10 +33,10 @@ import torch
 
 from localtinker.engine.decode_layer import (
     SANDWICH_FAMILIES, TRAIN_COMPILE_ENV, LayerShape, allow_recompiles, attention_residual, compile_by_default,
-    post_attention, pre_attention,
+    post_attention, pre_attention, sandwich_post_attention,
 )
 from localtinker.engine.expert_lora import adapters_of
-from localtinker.engine.families import architecture, layer_windows
+from localtinker.engine.families import architecture, layer_windows, text_config
 from localtinker.engine.packed_layout import PackedLayout
 from localtinker.engine.portable_attention import packed_causal_attention
 from localtinker.engine.static_decode import (
@@ -90,12 +90,13 @@ def _lora(dtype: torch.dtype, factors: Factors) -> tuple[torch.Tensor | None, to
 def train_pre_attention(x: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         factors: Factors, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                         cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, eps: float,
-                        qk_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        qk_eps: float, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q ``[tokens, heads, dim]``, k and v ``[tokens, kv heads, dim]`` of a layer's normed input, rotated; each
     contiguous, as the flash kernel takes them: compiled, the kernels that compute them write them so, where views
-    of the rotation's and the product's outputs were copied before the kernel (three copies per layer forward)."""
+    of the rotation's and the product's outputs were copied before the kernel (three copies per layer forward).
+    ``offset``: Gemma's norms (decode_layer.rms)."""
     q, k, v = pre_attention(x, norm, (weight, bias, *_lora(x.dtype, factors)), q_norm, k_norm, cos, sin, heads,
-                            kv_heads, eps, qk_eps)
+                            kv_heads, eps, qk_eps, offset)
     return q.reshape(q.shape[0], heads, q.shape[-1]).contiguous(), k.contiguous(), v.contiguous()
 
 
@@ -116,7 +117,19 @@ def train_attention_residual(out: torch.Tensor, x: torch.Tensor, o_proj: tuple, 
     return attention_residual(out, x, (*o_proj, *_lora(x.dtype, o_factors)), norm, eps)
 
 
-PIECES = (train_pre_attention, train_post_attention, train_attention_residual)
+def train_sandwich_post_attention(out: torch.Tensor, x: torch.Tensor, o_proj: tuple, o_factors: Factors,
+                                  norm: torch.Tensor, pre_mlp_norm: torch.Tensor, gate_up: tuple,
+                                  gate_up_factors: Factors, down: tuple, down_factors: Factors,
+                                  post_mlp_norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma 3's rest of the layer (decode_layer.sandwich_post_attention): o_proj normed onto the residual
+    stream, then the GELU MLP between its own two norms."""
+    dtype = x.dtype
+    return sandwich_post_attention(out, x, (*o_proj, *_lora(dtype, o_factors)), norm, pre_mlp_norm,
+                                   (*gate_up, *_lora(dtype, gate_up_factors)), (*down, *_lora(dtype, down_factors)),
+                                   post_mlp_norm, eps)
+
+
+PIECES = (train_pre_attention, train_post_attention, train_attention_residual, train_sandwich_post_attention)
 _compiled: dict[tuple[Callable, bool], Callable] = {}
 
 
@@ -173,6 +186,9 @@ class LayerParts(NamedTuple):
     down_factors: Factors
     moe: torch.nn.Module | None = None  # an MoE layer's block, run as its own module
     window: int | None = None  # a sliding-window layer's window
+    pre_mlp_norm: torch.Tensor | None = None  # Gemma 3's norms before and after the MLP (with post_norm after
+    post_mlp_norm: torch.Tensor | None = None  # the attention): decode_layer.sandwich_post_attention
+    rotation: str | None = None  # Gemma 3: the layer type whose rotation frequencies the layer takes
 
     def trained(self) -> list[torch.Tensor]:
         """The adapter's factor parameters the pieces read (not the experts' own, which their block reads)."""
@@ -203,6 +219,10 @@ class PackedLayers:
         self.shape = LayerShape.of(model)
         self.device = self.embed.weight.device
         self.windows = layer_windows(model.config)  # each layer's sliding window (None: it attends fully)
+        # Gemma 3: four norms of weight 1 + w per layer, a GELU gate, each layer type rotated by its own frequencies
+        self.sandwich = architecture(model.config) in SANDWICH_FAMILIES
+        per_type = getattr(self.rotary, "layer_types", None) is not None
+        self.rotations = list(text_config(model.config).layer_types) if per_type else [None] * len(self.layers)
         by_default, why_not = compile_by_default(self.device, TRAIN_COMPILE_ENV)
         self.compiled = by_default if compiled is None else compiled
         self.compile_error: str | None = None if self.compiled else why_not
@@ -234,7 +254,8 @@ class PackedLayers:
         """Each layer's tensors for the pieces, with the active adapter's factors; None where some group's
         adapter is not plain."""
         parts = []
-        for layer, groups, moe, window in zip(self.layers, self._groups, self._moe, self.windows):
+        for layer, groups, moe, window, rotation in zip(self.layers, self._groups, self._moe, self.windows,
+                                                        self.rotations):
             factors = {name: _active_factors(modules) for name, modules in groups.items()}
             if any(f is None for f in factors.values()):
                 return None
@@ -245,7 +266,9 @@ class PackedLayers:
                 layer.input_layernorm.weight, bases["qkv"], factors["qkv"], None if q_norm is None else q_norm.weight,
                 None if k_norm is None else k_norm.weight, bases["o_proj"], factors["o_proj"],
                 layer.post_attention_layernorm.weight, bases.get("gate_up", ()), factors.get("gate_up", _NO_FACTORS),
-                bases.get("down", ()), factors.get("down", _NO_FACTORS), moe, window)
+                bases.get("down", ()), factors.get("down", _NO_FACTORS), moe, window,
+                _weight(getattr(layer, "pre_feedforward_layernorm", None)),
+                _weight(getattr(layer, "post_feedforward_layernorm", None)), rotation)
             if self.graphs:
                 _mark_static(part)
             parts.append(part)
@@ -307,35 +330,41 @@ class PackedLayers:
     def _forward(self, parts: list[LayerParts], input_ids: torch.Tensor, position_ids: torch.Tensor,
                  layout: PackedLayout) -> torch.Tensor:
         x = self.embed(input_ids)
-        cos, sin = self._rotation(x, position_ids)
+        rotations = self._rotation(x, position_ids)
         for part in parts:
-            x = self._layer(x, part, cos, sin, layout)
+            x = self._layer(x, part, rotations, layout)
         return self.norm(x)
 
-    def _rotation(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[tokens, 1, dim]`` of the rows' positions."""
-        cos, sin = self.rotary(x[None], positions[None])
-        cos, sin = cos[0][:, None], sin[0][:, None]
-        if self.compiled:
-            _mark_tokens_dynamic(cos, sin)
-        return cos, sin
+    def _rotation(self, x: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """cos and sin ``[tokens, 1, dim]`` of the rows' positions, per rotation kind (one but for Gemma 3)."""
+        rotations = {}
+        for kind in dict.fromkeys(self.rotations):
+            cos, sin = self.rotary(x[None], positions[None], *(() if kind is None else (kind,)))
+            cos, sin = cos[0][:, None], sin[0][:, None]
+            if self.compiled:
+                _mark_tokens_dynamic(cos, sin)
+            rotations[kind] = cos, sin
+        return rotations
 
-    def _layer(self, x: torch.Tensor, part: LayerParts, cos: torch.Tensor, sin: torch.Tensor,
+    def _layer(self, x: torch.Tensor, part: LayerParts, rotations: dict[str | None, tuple[torch.Tensor, torch.Tensor]],
                layout: PackedLayout) -> torch.Tensor:
         """One decoder layer: the pre piece, attention over the packed rows, the post piece (an MoE layer: o_proj's
         piece, then its block as a module)."""
         (norm, qkv, qkv_factors, q_norm, k_norm, o_proj, o_factors, post_norm, gate_up, gate_up_factors, down,
-         down_factors, moe, window) = part
-        pre, post, residual = self._pieces
+         down_factors, moe, window, pre_mlp_norm, post_mlp_norm, rotation) = part
+        pre, post, residual, sandwich = self._pieces
         shape = self.shape
         if self.compiled:
             _mark_tokens_dynamic(x)
-        q, k, v = pre(x, norm, *qkv, qkv_factors, q_norm, k_norm, cos, sin, shape.heads, shape.kv_heads, shape.eps,
-                      shape.qk_eps)
+        q, k, v = pre(x, norm, *qkv, qkv_factors, q_norm, k_norm, *rotations[rotation], shape.heads, shape.kv_heads,
+                      shape.eps, shape.qk_eps, self.sandwich)
         out = packed_causal_attention(q, k, v, layout, shape.scale, window)
         out = out.reshape(out.shape[0], shape.heads * shape.head_dim)
         if self.compiled:
             _mark_tokens_dynamic(out)
+        if self.sandwich:
+            return sandwich(out, x, o_proj, o_factors, post_norm, pre_mlp_norm, gate_up, gate_up_factors, down,
+                            down_factors, post_mlp_norm, shape.eps)
         if moe is not None:
             x, normed = residual(out, x, o_proj, o_factors, post_norm, shape.eps)
             return x + run_moe_block(moe, normed)
@@ -362,13 +391,13 @@ class PackedLayers:
             with torch.inference_mode(False), torch.enable_grad():
                 x = torch.randn((tokens, self.embed.weight.shape[1]), device=self.device, dtype=self.embed.weight.dtype,
                                 requires_grad=True)
-                cos, sin = self._rotation(x, torch.arange(tokens, device=self.device))
+                rotations = self._rotation(x, torch.arange(tokens, device=self.device))
                 layout = PackedLayout.rows([tokens], self.device)
                 for part in probed:
-                    self._layer(x, part, cos, sin, layout).float().square().mean().backward()
+                    self._layer(x, part, rotations, layout).float().square().mean().backward()
             with torch.inference_mode():
                 for part in probed:
-                    self._layer(x.detach(), part, cos, sin, layout)
+                    self._layer(x.detach(), part, rotations, layout)
         except Exception as error:  # noqa: BLE001 - any compiler failure
             if isinstance(error, torch.OutOfMemoryError):
                 raise
@@ -405,15 +434,20 @@ def _mark_static(part: LayerParts) -> None:
     updates the factors in place), so a replay reads them where they are instead of copying each into the
     graph's own input buffers. Unguarded: a tensor that does move makes the graph record again, not recompile."""
     tensors = [part.norm, *part.qkv, part.q_norm, part.k_norm, *part.o_proj, part.post_norm, *part.gate_up,
-               *part.down, *part.trained()]
+               *part.down, part.pre_mlp_norm, part.post_mlp_norm, *part.trained()]
     for tensor in tensors:
         if tensor is not None and getattr(tensor, "_dynamo_static_input_type", None) is None:
             torch._dynamo.mark_static_address(tensor)
 
 
 def _written_out(model: torch.nn.Module) -> bool:
-    """Whether this path computes ``model``'s layers: the static decoder's families, MoE blocks included, but
-    not attention with sinks (gpt-oss), which the packed attention (flash varlen, sdpa by segment) lacks, nor
-    Gemma's layers (their norms and soft caps are written out for decoding only)."""
+    """Whether this path computes ``model``'s layers: the static decoder's families, MoE blocks included, but not
+    attention with sinks (gpt-oss) or a soft cap on its scores (Gemma 2), which the packed attention (flash varlen,
+    sdpa by segment) lacks."""
     sinks = any(isinstance(getattr(layer.self_attn, "sinks", None), torch.Tensor) for layer in model.get_decoder().layers)
-    return not sinks and architecture(model.config) not in SANDWICH_FAMILIES and static_decode_supported(model)
+    capped = bool(getattr(text_config(model.config), "attn_logit_softcapping", None))
+    return not sinks and not capped and static_decode_supported(model)
+
+
+def _weight(norm: torch.nn.Module | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight

@@ -101,7 +101,7 @@ def test_sliding_windows_on_the_gpu_path(family, tmp_path):
 
 def check_family(engine: LocalEngine, family: str, tolerance: float, tmp_path) -> None:
     """Trainer logprobs and LoRA gradients against transformers + peft on the CPU in float32, and the sampler's
-    logprobs (and prompt logprobs) against the trainer's, within ``tolerance`` (gradients 10×)."""
+    logprobs (and prompt logprobs) against the trainer's, within ``tolerance`` (gradients 10×, of their scale)."""
     model_id = f"families:train:{family}"
     directory = str(family_dir(family))
     lora = LORA
@@ -121,7 +121,9 @@ def check_family(engine: LocalEngine, family: str, tolerance: float, tmp_path) -
         total = total - expected.sum()
     total.backward()
     for key, grad, expected_grad in _peft_grads(engine.lora_grads(model_id), reference, lora, family):
-        torch.testing.assert_close(grad, expected_grad, atol=10 * tolerance, rtol=10 * tolerance, msg=key)
+        # float32 rounding of sums over tokens grows with the gradient's scale (Gemma's embeddings are ×√hidden)
+        scale = max(1.0, float(expected_grad.abs().max()))
+        torch.testing.assert_close(grad, expected_grad, atol=10 * tolerance * scale, rtol=10 * tolerance, msg=key)
 
     path = engine.save_sampler_weights(model_id, "families")
     engine.create_sampler(f"families-{family}", None, path)
