@@ -12,12 +12,13 @@ every micro-batch and each run of elementwise work becomes one kernel. Attention
 micro-batch's segments (packed_layout.py: a prompt shared by several datums runs once): flash varlen on CUDA in
 bf16/fp16, one sdpa per segment elsewhere.
 
-Taken where static decode is (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE; not gpt-oss, whose attention sinks the
-packed attention lacks) and the active adapter is plain (lora.py); anything else runs transformers' layers. An MoE
-layer's block (router, experts and their LoRA: expert_lora.py) runs as its own module between o_proj's piece and
-the next layer, as in the static decoder. Sliding-window layers pass their window to the packed attention. ``LOCALTINKER_TRAIN_LAYERS=0`` turns
-this path off, ``LOCALTINKER_TRAIN_COMPILE=0`` keeps it uncompiled; ``LOCALTINKER_TRAIN_GRAPHS=1`` replays the
-compiled pieces as CUDA graphs over a few buckets of packed length (opt-in until measured on a GPU).
+Taken where static decode is (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, Gemma 3; not gpt-oss's attention sinks
+nor Gemma 2's capped scores, which the packed attention lacks) and the active adapter is plain (lora.py);
+anything else runs transformers' layers. An MoE layer's block (router, experts and their LoRA: expert_lora.py)
+runs as its own module between o_proj's piece and the next layer, as in the static decoder. Sliding-window layers
+pass their window to the packed attention. ``LOCALTINKER_TRAIN_LAYERS=0`` turns this path off,
+``LOCALTINKER_TRAIN_COMPILE=0`` keeps it uncompiled; ``LOCALTINKER_TRAIN_GRAPHS=1`` replays the compiled pieces as
+CUDA graphs over a few buckets of packed length (opt-in until measured on a GPU).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ GPU the host cannot issue them as fast as the card runs them (docs/localtinker-g
 written out for the Llama-shaped families (Llama, Qwen2, Qwen3, Mistral; Qwen3-MoE and gpt-oss with their MoE
 blocks run as modules inside the step; Gemma 2 and 3 with their four norms, GELU and soft caps; sliding windows,
 on the layers the config names, as one more mask, and gpt-oss's attention sinks as one more softmax column) over
-buffers that never move, so the whole step is
-captured once per (rows, columns) bucket and replayed with one launch.
+buffers that never move, so the whole step is captured once per (rows, columns) bucket and replayed with one
+launch.
 
 Layout: ``keys[layer]`` / ``values[layer]`` are ``[slots, kv heads, columns, head dim]``; a row's token at
 position *p* sits in column *p* (right-padded, unlike ``kv_rows``'s left padding), so a row attends to the
@@ -73,8 +73,8 @@ def pooled_decoders(model: torch.nn.Module) -> list[StaticDecoder]:
 
 def static_decode_supported(model: torch.nn.Module, moe: bool = True) -> bool:
     """Whether :class:`StaticDecoder` computes this model's own decode step: a Llama-shaped family (or Gemma 2/3)
-    whose MLPs are plain linears, or (``moe``) a mixture-of-experts block over fused experts that expert_lora.py adapts,
-    which then runs as its own module inside the step (router, experts and their LoRA alike)."""
+    whose MLPs are plain linears, or (``moe``) a mixture-of-experts block over fused experts that expert_lora.py
+    adapts, which then runs as its own module inside the step (router, experts and their LoRA alike)."""
     config = model.config
     text = text_config(config)
     family = architecture(config)
@@ -117,11 +117,10 @@ def run_moe_block(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], scale: float,
                       window: int | None, sinks: torch.Tensor | None, softcap: float | None = None) -> torch.Tensor:
-    """Causal attention of prompts packed end to end (q [tokens, heads, d], k and v [tokens, kv heads, d]) with a
-    sliding ``window``, ``sinks`` ([kv heads, group, 1]) and/or a soft cap on the scores (Gemma 2), prompt by
-    prompt through the explicit product
-    (portable_attention.py): a prefill is not captured, and its prompts' [n × n] scores are small. Returns
-    [tokens, heads, d]."""
+    """Causal attention of prompts packed end to end (q [tokens, heads, d], k and v [tokens, kv heads, d]) with
+    ``sinks`` ([kv heads, group, 1]) and/or a soft cap on the scores (Gemma 2), and a sliding ``window``, prompt by
+    prompt through the explicit product (portable_attention.py): a prefill is not captured, and its prompts'
+    [n × n] scores are small. Returns [tokens, heads, d]."""
     outputs, start = [], 0
     for n in lengths:
         queries, keys, values = (t[start : start + n].transpose(0, 1)[None] for t in (q, k, v))
@@ -577,9 +576,8 @@ class StaticDecoder:
             keys.index_put_(index, k[row_of])
             values.index_put_(index, v[row_of])
             q = q.reshape(len(positions), shape.heads, shape.head_dim)
-            if (sinks is None and not self.attention_softcap
-                    and (window is None or max(lengths) <= window)):  # no prompt reaches past its window
-                out = packed_causal_attention(q, k, v, layout, shape.scale)
+            if sinks is None and not self.attention_softcap:
+                out = packed_causal_attention(q, k, v, layout, shape.scale, window)
             else:
                 out = _prompt_attention(q, k, v, lengths, shape.scale, window, sinks, self.attention_softcap)
             out = out.reshape(len(positions), shape.heads * shape.head_dim)
