@@ -88,9 +88,9 @@ def test_trainer_and_sampler_equal_the_models_own_forward(engine, family, tmp_pa
 @pytest.mark.parametrize("family", SLIDING_FAMILIES)
 def test_sliding_windows_on_the_gpu_path(family, tmp_path):
     """Mistral v0.1's window on every layer and Qwen2's on some (8 tokens here), on the portable path as a GPU
-    runs it: sampling over the static cache masks each layer's window (prompts and samples reach past it), and
-    training sends datums longer than the window through transformers' layers. (The CPU's default and portable
-    paths run transformers' attention for such models: the test above.)"""
+    runs it: sampling over the static cache and training through the written-out layers each mask every layer's
+    own window (sequences, prompts and samples reach past it). (The CPU's default and portable paths run
+    transformers' attention for such models: the test above.)"""
     engine = LocalEngine(tmp_path / "engine", dtype="float32", portable=True, static_decode=True, train_layers=True)
     check_family(engine, family, TOLERANCE, tmp_path)
     model = engine._hosts[str(family_dir(family))].base.model
