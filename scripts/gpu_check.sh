@@ -39,7 +39,7 @@ fi
   echo "## make test-gpu (tests/localtinker/engine/test_cuda.py)"
   # -v: one line per test as it ends (kept if the limit stops the run); --tb=line: a failure's reason in one line.
   # Two processes within one limit: first the tests that decide the opt-in defaults (the sdpa decode attention
-  # last, as its capture can spoil the process's CUDA generator), then the eight families in float32, which
+  # last, as its capture can spoil the process's CUDA generator), then the ten families in float32, which
   # compile their own pieces and take most of the time.
   tests_limit=${TESTS_TIMEOUT:-240}
   tests_started=$SECONDS
