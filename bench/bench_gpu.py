@@ -405,7 +405,7 @@ def bench_model(key: str, engine, flops_peak: float | None, bandwidth: float | N
     base_new = max(1, new // 8 if big else new // 4)
     grpo_prompts, grpo_samples, grpo_new = SIZES["grpo"]
     chat_rows = SIZES["chat"]
-    repeats = 2 if big else 3
+    repeats = 1 if DEVICE.type == "cpu" else (2 if big else 3)  # --smoke: each part once after its warm-up
 
     lengths = np.clip(np.exp(rng.normal(4.7, 0.6, size=chat_rows)), 24, 467).astype(int)  # chat-like rows
     chat = [rng.integers(0, vocab, size=n + 1) for n in lengths]
