@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from localtinker.engine.families import text_config
+from localtinker.engine.families import architecture, text_config
 
 Projection = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 MASKED = torch.finfo(torch.float32).min
@@ -41,8 +41,9 @@ SANDWICH_FAMILIES = frozenset({"gemma2", "gemma3_text"})  # four (1 + w) norms p
 
 @dataclass(frozen=True)
 class LayerShape:
-    """What the pieces take beside tensors, read once from a Llama-shaped model: head sizes, attention scale and
-    the norms' epsilons (the q/k norms' for Qwen3, else the layer norms')."""
+    """What the pieces take beside tensors, read once from a Llama-shaped model: head sizes, attention scale, the
+    norms' epsilons (the q/k norms' for Qwen3, else the layer norms'), and whether its layers are Gemma's
+    (``sandwich``: :data:`SANDWICH_FAMILIES`)."""
 
     head_dim: int
     heads: int
@@ -50,6 +51,7 @@ class LayerShape:
     scale: float
     eps: float
     qk_eps: float
+    sandwich: bool = False
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> LayerShape:
@@ -60,7 +62,29 @@ class LayerShape:
         eps = _epsilon(layer.input_layernorm)
         return cls(head_dim=int(attention.head_dim), heads=heads,
                    kv_heads=int(getattr(config, "num_key_value_heads", None) or heads), scale=float(attention.scaling),
-                   eps=eps, qk_eps=_epsilon(attention.q_norm) if hasattr(attention, "q_norm") else eps)
+                   eps=eps, qk_eps=_epsilon(attention.q_norm) if hasattr(attention, "q_norm") else eps,
+                   sandwich=architecture(model.config) in SANDWICH_FAMILIES)
+
+
+def layer_rotations(model: torch.nn.Module) -> list[str | None]:
+    """Each layer's rotation kind, as the model's rotary module takes it: Gemma 3's layer type (its sliding and
+    full layers have frequencies of their own), else None (one rotation for every layer)."""
+    decoder = model.get_decoder()
+    if getattr(decoder.rotary_emb, "layer_types", None) is None:
+        return [None] * len(decoder.layers)
+    return list(text_config(model.config).layer_types)
+
+
+def rotation(rotary: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor,
+             kind: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[1, positions, dim]`` from the model's rotary module for one rotation kind
+    (:func:`layer_rotations`)."""
+    return rotary(x, positions, *(() if kind is None else (kind,)))
+
+
+def norm_weight(norm: torch.nn.Module | None) -> torch.Tensor | None:
+    """A norm module's weight, or None where the layer has no such norm."""
+    return None if norm is None else norm.weight
 
 
 def _epsilon(norm: torch.nn.Module) -> float:

@@ -33,12 +33,13 @@ from typing import NamedTuple
 import torch
 
 from localtinker.engine.decode_layer import (
-    SANDWICH_FAMILIES, TRAIN_COMPILE_ENV, LayerShape, allow_recompiles, attention_residual, compile_by_default,
-    post_attention, pre_attention, sandwich_post_attention,
+    TRAIN_COMPILE_ENV, LayerShape, allow_recompiles, attention_residual, compile_by_default, layer_rotations,
+    norm_weight, post_attention, pre_attention, rotation, sandwich_post_attention,
 )
 from localtinker.engine.expert_lora import adapters_of
-from localtinker.engine.families import architecture, layer_windows, text_config
+from localtinker.engine.families import layer_windows, text_config
 from localtinker.engine.packed_layout import PackedLayout
+from localtinker.engine.packed_rows import has_attention_sinks
 from localtinker.engine.portable_attention import packed_causal_attention
 from localtinker.engine.static_decode import (
     frozen_layer, moe_block, run_moe_block, shared_weights, static_decode_supported,
@@ -221,9 +222,8 @@ class PackedLayers:
         self.device = self.embed.weight.device
         self.windows = layer_windows(model.config)  # each layer's sliding window (None: it attends fully)
         # Gemma 3: four norms of weight 1 + w per layer, a GELU gate, each layer type rotated by its own frequencies
-        self.sandwich = architecture(model.config) in SANDWICH_FAMILIES
-        per_type = getattr(self.rotary, "layer_types", None) is not None
-        self.rotations = list(text_config(model.config).layer_types) if per_type else [None] * len(self.layers)
+        self.sandwich = self.shape.sandwich
+        self.rotations = layer_rotations(model)
         by_default, why_not = compile_by_default(self.device, TRAIN_COMPILE_ENV)
         self.compiled = by_default if compiled is None else compiled
         self.compile_error: str | None = None if self.compiled else why_not
@@ -255,8 +255,8 @@ class PackedLayers:
         """Each layer's tensors for the pieces, with the active adapter's factors; None where some group's
         adapter is not plain."""
         parts = []
-        for layer, groups, moe, window, rotation in zip(self.layers, self._groups, self._moe, self.windows,
-                                                        self.rotations):
+        for layer, groups, moe, window, kind in zip(self.layers, self._groups, self._moe, self.windows,
+                                                    self.rotations):
             factors = {name: _active_factors(modules) for name, modules in groups.items()}
             if any(f is None for f in factors.values()):
                 return None
@@ -268,8 +268,8 @@ class PackedLayers:
                 None if k_norm is None else k_norm.weight, bases["o_proj"], factors["o_proj"],
                 layer.post_attention_layernorm.weight, bases.get("gate_up", ()), factors.get("gate_up", _NO_FACTORS),
                 bases.get("down", ()), factors.get("down", _NO_FACTORS), moe, window,
-                _weight(getattr(layer, "pre_feedforward_layernorm", None)),
-                _weight(getattr(layer, "post_feedforward_layernorm", None)), rotation)
+                norm_weight(getattr(layer, "pre_feedforward_layernorm", None)),
+                norm_weight(getattr(layer, "post_feedforward_layernorm", None)), kind)
             if self.graphs:
                 _mark_static(part)
             parts.append(part)
@@ -340,7 +340,7 @@ class PackedLayers:
         """cos and sin ``[tokens, 1, dim]`` of the rows' positions, per rotation kind (one but for Gemma 3)."""
         rotations = {}
         for kind in dict.fromkeys(self.rotations):
-            cos, sin = self.rotary(x[None], positions[None], *(() if kind is None else (kind,)))
+            cos, sin = rotation(self.rotary, x[None], positions[None], kind)
             cos, sin = cos[0][:, None], sin[0][:, None]
             if self.compiled:
                 _mark_tokens_dynamic(cos, sin)
@@ -352,12 +352,12 @@ class PackedLayers:
         """One decoder layer: the pre piece, attention over the packed rows, the post piece (an MoE layer: o_proj's
         piece, then its block as a module)."""
         (norm, qkv, qkv_factors, q_norm, k_norm, o_proj, o_factors, post_norm, gate_up, gate_up_factors, down,
-         down_factors, moe, window, pre_mlp_norm, post_mlp_norm, rotation) = part
+         down_factors, moe, window, pre_mlp_norm, post_mlp_norm, kind) = part
         pre, post, residual, sandwich = self._pieces
         shape = self.shape
         if self.compiled:
             _mark_tokens_dynamic(x)
-        q, k, v = pre(x, norm, *qkv, qkv_factors, q_norm, k_norm, *rotations[rotation], shape.heads, shape.kv_heads,
+        q, k, v = pre(x, norm, *qkv, qkv_factors, q_norm, k_norm, *rotations[kind], shape.heads, shape.kv_heads,
                       shape.eps, shape.qk_eps, self.sandwich)
         out = packed_causal_attention(q, k, v, layout, shape.scale, window)
         out = out.reshape(out.shape[0], shape.heads * shape.head_dim)
@@ -445,10 +445,5 @@ def _written_out(model: torch.nn.Module) -> bool:
     """Whether this path computes ``model``'s layers: the static decoder's families, MoE blocks included, but not
     attention with sinks (gpt-oss) or a soft cap on its scores (Gemma 2), which the packed attention (flash varlen,
     sdpa by segment) lacks."""
-    sinks = any(isinstance(getattr(layer.self_attn, "sinks", None), torch.Tensor) for layer in model.get_decoder().layers)
     capped = bool(getattr(text_config(model.config), "attn_logit_softcapping", None))
-    return not sinks and not capped and static_decode_supported(model)
-
-
-def _weight(norm: torch.nn.Module | None) -> torch.Tensor | None:
-    return None if norm is None else norm.weight
+    return not has_attention_sinks(model.get_decoder()) and not capped and static_decode_supported(model)

@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from localtinker.engine.decode_layer import (
-    SANDWICH_FAMILIES, LayerShape, Projection, attention_residual, compile_by_default, compiled_once, pieces,
-    post_attention, pre_attention, project, rms, sandwich_post_attention,
+    SANDWICH_FAMILIES, LayerShape, Projection, attention_residual, compile_by_default, compiled_once, layer_rotations,
+    norm_weight, pieces, post_attention, pre_attention, project, rms, rotation, sandwich_post_attention,
 )
 from localtinker.engine.expert_lora import adapters_of, grouped_possible, unsupported
 from localtinker.engine.families import architecture, final_softcap, layer_windows, text_config
@@ -427,12 +427,10 @@ class StaticDecoder:
         # Gemma 2/3: four norms of weight 1 + w per layer (decode_layer.sandwich_post_attention), soft caps on the
         # attention scores (Gemma 2) and on the logits; Gemma 3 rotates its sliding-window layers by their own
         # frequencies (one table per layer type)
-        text = text_config(model.config)
-        self.sandwich = architecture(model.config) in SANDWICH_FAMILIES
+        self.sandwich = self.shape.sandwich
         self.softcap = final_softcap(model.config)
-        self.attention_softcap = getattr(text, "attn_logit_softcapping", None) or None
-        per_type = getattr(self.rotary, "layer_types", None) is not None
-        self.rotations = list(text.layer_types) if per_type else [None] * len(self.layers)
+        self.attention_softcap = getattr(text_config(model.config), "attn_logit_softcapping", None) or None
+        self.rotations = layer_rotations(model)
         self._tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         self.sdpa_attention = (os.environ.get(ATTENTION_ENV) == "sdpa" and not any(self.windows)
                                and all(sinks is None for sinks in self.sinks) and not self.attention_softcap)
@@ -488,7 +486,6 @@ class StaticDecoder:
     def _parts(self) -> list[tuple]:
         """Each layer's tensors in the order its decode_layer.py pieces take them (the adapter's factors as
         loaded now)."""
-        norm_weight = lambda module: None if module is None else module.weight  # noqa: E731
         return [
             (layer.input_layernorm.weight, parts["qkv"].parts(), norm_weight(getattr(layer.self_attn, "q_norm", None)),
              norm_weight(getattr(layer.self_attn, "k_norm", None)), parts["o_proj"].parts(),
@@ -534,8 +531,7 @@ class StaticDecoder:
         ids = torch.arange(columns, device=self.device)
         self._tables = {}
         for kind in dict.fromkeys(self.rotations):
-            extra = () if kind is None else (kind,)  # Gemma 3: each layer type's own frequencies
-            cos, sin = self.rotary(self.embed.weight[:1][None], ids[None], *extra)
+            cos, sin = rotation(self.rotary, self.embed.weight[:1][None], ids[None], kind)
             if cos.shape[-1] * 2 == self.shape.head_dim:  # gpt-oss gives each frequency once: rotate takes it twice
                 cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
             self._tables[kind] = (cos[0], sin[0])
