@@ -35,3 +35,19 @@ def test_build_engine_resolves_device_and_dtype(tmp_path, monkeypatch: pytest.Mo
     monkeypatch.setenv("LOCALTINKER_DEVICE", "cpu")
     engine = build_engine(tmp_path, dtype="auto")
     assert (engine.device, engine.dtype, engine.portable) == (torch.device("cpu"), "float32", None)
+
+
+def test_cuda_devices_resolve_by_number_on_a_machine_with_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine with two GPUs (faked: the counts are all the choice reads), ``auto`` is the current one,
+    ``cuda`` the first, ``cuda:1`` the second, and ``cuda:2`` an error naming how many there are."""
+    monkeypatch.delenv("LOCALTINKER_DEVICE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("auto") == torch.device("cuda", 1)
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"'cuda:2': this machine has 2 CUDA device\(s\)"):
+        resolve_device("cuda:2")
+    with pytest.raises(ValueError, match="'cuda:x' is not one of"):
+        resolve_device("cuda:x")

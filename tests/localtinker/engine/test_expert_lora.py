@@ -13,7 +13,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from localtinker.engine.api import AdamSpec, LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
-from localtinker.engine.expert_lora import adapters_of, unsupported
+from localtinker.engine import expert_lora
+from localtinker.engine.expert_lora import adapters_of, grouped_possible, unsupported
 from tests.localtinker.engine.families import family_dir
 from tests.localtinker.engine.test_families import _datum
 
@@ -325,3 +326,18 @@ def test_other_moe_families_of_the_layout_train_and_sample(tmp_path, family):
         full = np.array(spec.prompt_tokens + tuple(sequence.tokens))
         trainer = engine.forward_backward("moe", [_datum(full)], "cross_entropy", None, True).loss_fn_outputs[0]["logprobs"]
         np.testing.assert_allclose(sequence.logprobs, trainer[len(spec.prompt_tokens) - 1 :], atol=1e-5, rtol=0)
+
+
+def test_grouped_gemms_are_taken_on_cards_from_sm80_in_half_dtypes(monkeypatch):
+    """The experts' grouped GEMMs on a CUDA card (its compute capability faked: all the decision reads) from sm80
+    in bf16/fp16, not on older cards nor in float32 there; on the CPU in any dtype; nowhere once switched off."""
+    capability = {"now": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["now"])
+    cuda = torch.device("cuda", 0)
+    assert grouped_possible(cuda, torch.bfloat16) and grouped_possible(cuda, torch.float16)
+    assert not grouped_possible(cuda, torch.float32)
+    capability["now"] = (7, 5)
+    assert not grouped_possible(cuda, torch.bfloat16)
+    assert grouped_possible(torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(expert_lora, "GROUPED", False)
+    assert not grouped_possible(torch.device("cpu"), torch.float32)

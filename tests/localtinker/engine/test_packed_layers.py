@@ -13,7 +13,9 @@ import torch
 
 from localtinker.engine.api import LoraSpec
 from localtinker.engine.engine import LocalEngine
-from localtinker.engine.packed_layers import PackedLayers, token_bucket
+from localtinker.engine.packed_layers import (
+    GRAPHS_ENV, LAYERS_ENV, PackedLayers, graphs_by_default, layers_by_default, token_bucket,
+)
 from localtinker.engine.packed_layout import PackedLayout, packed_batches
 from localtinker.engine.packed_rows import packed_rows
 from tests.localtinker.engine.families import FAMILIES, SLIDING_FAMILIES, family_dir
@@ -181,9 +183,8 @@ def test_the_compile_probe_keeps_the_gradients_accumulated_so_far(tmp_path, fami
 
 
 # qwen3: q/k norms, every part of the dense pieces; qwen3_moe: o_proj's piece before each MoE block; gemma3_text:
-# norms of weight 1 + w around attention and MLP, a GELU gate, two rotation tables (slow: ~25 s of compiling here;
-# the GPU's float32 family test compiles it too)
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", pytest.param("gemma3_text", marks=pytest.mark.slow)])
+# norms of weight 1 + w around attention and MLP, a GELU gate, two rotation tables (~25 s of compiling here)
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gemma3_text"])
 def test_compiled_pieces_train_as_the_uncompiled_ones(tmp_path, family):
     """The GPU compiles the pieces; the CPU's compiler checks here that the traced forward and backward
     compute what the op-by-op ones do, for two token counts through one graph (dynamic in tokens)."""
@@ -263,3 +264,18 @@ def test_failing_graphs_leave_the_pieces_compiled_without_them(tmp_path, monkeyp
     assert graphed.compiled and not graphed.graphs and graphed.compile_error.startswith("CUDA graphs: RuntimeError")
     torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=0)
     _assert_grads_close(our_grads, their_grads)
+
+
+def test_the_written_out_layers_are_the_cuda_default_and_their_graphs_are_opt_in(monkeypatch):
+    """The written-out layers train on a CUDA device unless ``LOCALTINKER_TRAIN_LAYERS=0``, and never by default
+    on the CPU (whose own path is tuned); their CUDA graphs only with ``LOCALTINKER_TRAIN_GRAPHS=1``, until
+    measured on a GPU."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.delenv(LAYERS_ENV, raising=False)
+    monkeypatch.delenv(GRAPHS_ENV, raising=False)
+    assert layers_by_default(cuda) and not layers_by_default(cpu)
+    assert not graphs_by_default(cuda) and not graphs_by_default(cpu)
+    monkeypatch.setenv(LAYERS_ENV, "0")
+    monkeypatch.setenv(GRAPHS_ENV, "1")
+    assert not layers_by_default(cuda)
+    assert graphs_by_default(cuda) and not graphs_by_default(cpu)

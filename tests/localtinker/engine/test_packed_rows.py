@@ -1,12 +1,14 @@
 """packed_rows.py beyond what the family and portable-path tests reach: the GPU's micro-batch budget, which counts
-an MoE's MLP once per expert a token goes through."""
+an MoE's MLP once per expert a token goes through, and which models' packed rows take the flash varlen kernel."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from transformers import GptOssConfig, LlamaConfig
+from transformers import AutoModelForCausalLM, GptOssConfig, LlamaConfig
 
-from localtinker.engine.packed_rows import device_microbatch_tokens
+from localtinker.engine.packed_rows import device_microbatch_tokens, takes_varlen
+from tests.localtinker.engine.families import family_dir
 
 CEILING = 1 << 15
 
@@ -25,3 +27,16 @@ def test_the_gpu_budget_counts_each_expert_a_token_goes_through(monkeypatch):
     gpt_oss.num_experts_per_tok = 0  # its MLP counted once
     assert device_microbatch_tokens(gpt_oss, cuda, CEILING) == 8192
     assert device_microbatch_tokens(llama, torch.device("cpu"), CEILING) == CEILING
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
+def test_packed_rows_take_flash_varlen_on_cuda_in_half_dtypes_without_caps_or_sinks(family):
+    """flash varlen (on a CUDA device: the decision reads only its type) takes bf16/fp16 rows of a model without a
+    soft cap on its attention scores (Gemma 2) or attention sinks (gpt-oss), which the kernel lacks; never float32
+    (flash has none) nor the CPU."""
+    model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert not takes_varlen(model.get_decoder(), cuda)
+    model.to(torch.bfloat16)
+    assert takes_varlen(model.get_decoder(), cuda) == (family == "llama")
+    assert not takes_varlen(model.get_decoder(), cpu)

@@ -13,7 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from localtinker.engine.api import LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
-from localtinker.engine.static_decode import JOINED_ENV, MIN_COLUMNS, StaticDecoder, bucket, static_decode_supported
+from localtinker.engine.static_decode import (
+    JOINED_ENV, MIN_COLUMNS, StaticDecoder, bucket, joined_by_default, static_decode_supported,
+)
 from tests.localtinker.engine.families import FAMILIES, family_dir
 from tests.localtinker.engine.reference import TINY
 
@@ -408,9 +410,9 @@ def test_compiled_joined_weights_decode_as_uncompiled_separate_products(family):
 
 
 # qwen3: q/k norms, every piece of the layer compiled; gpt_oss: sinks in the softmax, past its window of 8;
-# gemma3_text: norms of weight 1 + w (q/k too), the norms around attention and MLP, two rotation tables (slow:
-# ~9 s of compiling here; the GPU's float32 family test compiles it too)
-@pytest.mark.parametrize("family", ["qwen3", "gpt_oss", pytest.param("gemma3_text", marks=pytest.mark.slow)])
+# gemma3_text: norms of weight 1 + w (q/k too), the norms around attention and MLP, two rotation tables (~9 s of
+# compiling here)
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss", "gemma3_text"])
 @torch.inference_mode()
 def test_compiled_layer_pieces_decode_as_the_uncompiled_ones(family):
     """The GPU compiles the layer pieces (decode_layer.py); the CPU's compiler checks here that the traced
@@ -428,3 +430,34 @@ def test_compiled_layer_pieces_decode_as_the_uncompiled_ones(family):
             decoder.tokens[:rows] = logits[0].argmax(-1)
             decoder.positions[:rows] += 1
     assert decoders[1].compiled and decoders[1].compile_error is None
+
+
+def test_weights_are_joined_by_default_for_a_small_model_on_a_card_with_room(monkeypatch):
+    """The default on a CUDA card (a faked one: its memory is all the decision reads): a 1B shape's layer weights
+    (~1.9 GB) are copied and joined on an 80 GiB card, the 8B shape's 14 GB are not, nor the 1B's on a card with
+    6 GiB free; never on the CPU; ``LOCALTINKER_DECODE_JOINED`` decides over all of it."""
+    gib = 1 << 30
+    free = {"now": 80 * gib}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["now"], 80 * gib))
+    monkeypatch.delenv(JOINED_ENV, raising=False)
+    cuda, small, large = torch.device("cuda"), int(1.9 * gib), 14 * gib
+    assert joined_by_default(cuda, small) and not joined_by_default(cuda, large)
+    assert not joined_by_default(torch.device("cpu"), small)
+    free["now"] = 6 * gib  # a quarter of the free memory is less than the copies
+    assert not joined_by_default(cuda, small)
+    monkeypatch.setenv(JOINED_ENV, "1")
+    assert joined_by_default(cuda, large) and joined_by_default(torch.device("cpu"), small)
+    monkeypatch.setenv(JOINED_ENV, "0")
+    free["now"] = 80 * gib
+    assert not joined_by_default(cuda, small)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss", "mistral_sliding"])
+def test_sdpa_attention_is_taken_only_where_sdpa_computes_the_layer(monkeypatch, family):
+    """Asked for, the sdpa decode attention is taken by a plain model only: sdpa has no soft cap on the scores
+    (Gemma 2), no sinks (gpt-oss) and no window mask of its own (the products keep the second mask)."""
+    model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32)
+    monkeypatch.setenv("LOCALTINKER_DECODE_ATTENTION", "sdpa")
+    assert StaticDecoder(model, compiled=False).sdpa_attention == (family == "llama")
+    monkeypatch.delenv("LOCALTINKER_DECODE_ATTENTION")
+    assert not StaticDecoder(model, compiled=False).sdpa_attention
