@@ -579,6 +579,11 @@ def main() -> int:
     if args.smoke:
         DEVICE = torch.device("cpu")
         SIZES.update(SMOKE_SIZES)
+        # the parts a GPU takes by default and the CPU does not: the training pieces compiled (so their CUDA
+        # graphs' comparison runs; here inductor's C++, no graphs) and the decoder's joined weights (so the
+        # separate products' comparison runs); each can be set otherwise from the environment
+        os.environ.setdefault("LOCALTINKER_TRAIN_COMPILE", "1")
+        os.environ.setdefault("LOCALTINKER_DECODE_JOINED", "1")
     elif not torch.cuda.is_available():
         print(f"bench_gpu: skipped, this torch ({torch.__version__}) sees no CUDA GPU")
         return 0

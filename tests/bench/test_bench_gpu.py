@@ -1,6 +1,7 @@
 """bench/bench_gpu.py --smoke: the whole flow on tiny shapes on the CPU, as scripts/gpu_check.sh runs it on a GPU.
 A device session is rare and short (one call of a few minutes), so a crash in the script must show here first.
-The figures of a smoke run measure nothing; what is checked is that every part ran and reported its figure."""
+The figures of a smoke run measure nothing; what is checked is that every part ran and reported its figure, the
+parts a GPU takes by default included (compiled training pieces: ~1 min of compiling here)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 # the figures the issue's goals and the next device session's decisions read, as the 1B shape reports them
 FIGURES = ("1b.sft_ratio", "1b.chat_ratio", "1b.sample_ratio", "1b.grpo_ratio", "1b.ours.grpo_forward_backward_s",
-           "1b.ours.grpo_forward_backward_whole_rows_s", "1b.ours.sft_after_sampling_s",
-           "1b.sample_ratio_sdpa_attention", "1b.layers_logprob_max_gap")
+           "1b.ours.grpo_forward_backward_whole_rows_s", "1b.ours.sft_after_sampling_s", "1b.sft_ratio_graphs",
+           "1b.chat_ratio_graphs", "1b.sample_ratio_separate_a", "1b.sample_ratio_sdpa_attention",
+           "1b.layers_logprob_max_gap")
 
 
 def test_the_gpu_bench_runs_every_part_on_tiny_shapes(tmp_path):
@@ -30,3 +32,7 @@ def test_the_gpu_bench_runs_every_part_on_tiny_shapes(tmp_path):
     missing = [key for key in FIGURES if not isinstance(figures.get(key), float)]
     assert not missing, (missing, result.stdout[-3000:])
     assert all(figures[key] > 0 for key in FIGURES if key != "1b.layers_logprob_max_gap")
+    # as on a GPU: the training pieces compiled (inductor's C++ here) and still so after the graphs' comparison,
+    # the decoder's weights joined (so the separate products were compared)
+    assert figures["1b.ours.train_layers_compiled"] == 1 and figures["1b.ours_graphs.still_graphed"] == 1
+    assert figures["1b.ours.decode_joined"] == 1

@@ -15,7 +15,8 @@ from localtinker.engine.decode_layer import COMPILE_ENV, TRAIN_COMPILE_ENV, comp
 @pytest.mark.parametrize("env", [COMPILE_ENV, TRAIN_COMPILE_ENV])
 def test_pieces_compile_on_cuda_with_triton_and_say_why_not_elsewhere(monkeypatch, env):
     """Compiled on a CUDA device where Triton imports; each other case names its reason (the engine reports it
-    as ``compile_error``): the CPU, a CUDA torch without Triton, and the variable set to 0."""
+    as ``compile_error``): the CPU, a CUDA torch without Triton, and the variable set to 0. Set to 1, it compiles
+    on the CPU too (inductor's C++), not on a CUDA device without Triton."""
     real_find_spec = importlib.util.find_spec
     triton = {"installed": True}
 
@@ -34,3 +35,8 @@ def test_pieces_compile_on_cuda_with_triton_and_say_why_not_elsewhere(monkeypatc
     triton["installed"] = True
     monkeypatch.setenv(env, "0")
     assert compile_by_default(cuda, env) == (False, f"{env}=0")
+    monkeypatch.setenv(env, "1")
+    assert compile_by_default(torch.device("cpu"), env) == (True, None)
+    assert compile_by_default(cuda, env) == (True, None)
+    triton["installed"] = False
+    assert compile_by_default(cuda, env) == (False, "Triton is not installed")
