@@ -75,11 +75,15 @@ def layer_rotations(model: torch.nn.Module) -> list[str | None]:
     return list(text_config(model.config).layer_types)
 
 
-def rotation(rotary: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor,
-             kind: str | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin ``[1, positions, dim]`` from the model's rotary module for one rotation kind
-    (:func:`layer_rotations`)."""
-    return rotary(x, positions, *(() if kind is None else (kind,)))
+def rotation(rotary: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor, kind: str | None,
+             head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[1, positions, head_dim]`` from the model's rotary module for one rotation kind
+    (:func:`layer_rotations`). gpt-oss's module gives each frequency once (its own rotation pairs the halves):
+    repeated, they are what the other families' rotation (:func:`rotate`) takes."""
+    cos, sin = rotary(x, positions, *(() if kind is None else (kind,)))
+    if cos.shape[-1] * 2 == head_dim:
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    return cos, sin
 
 
 def norm_weight(norm: torch.nn.Module | None) -> torch.Tensor | None:

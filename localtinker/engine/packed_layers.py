@@ -12,13 +12,13 @@ every micro-batch and each run of elementwise work becomes one kernel. Attention
 micro-batch's segments (packed_layout.py: a prompt shared by several datums runs once): flash varlen on CUDA in
 bf16/fp16, one sdpa per segment elsewhere.
 
-Taken where static decode is (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, Gemma 3; not gpt-oss's attention sinks
-nor Gemma 2's capped scores, which the packed attention lacks) and the active adapter is plain (lora.py);
-anything else runs transformers' layers. An MoE layer's block (router, experts and their LoRA: expert_lora.py)
-runs as its own module between o_proj's piece and the next layer, as in the static decoder. Sliding-window layers
-pass their window to the packed attention. ``LOCALTINKER_TRAIN_LAYERS=0`` turns this path off,
-``LOCALTINKER_TRAIN_COMPILE=0`` keeps it uncompiled; ``LOCALTINKER_TRAIN_GRAPHS=1`` replays the compiled pieces as
-CUDA graphs over a few buckets of packed length (opt-in until measured on a GPU).
+Taken where static decode is (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, gpt-oss, Gemma 3; not Gemma 2's capped
+scores, which the packed attention lacks) and the active adapter is plain (lora.py); anything else runs
+transformers' layers. An MoE layer's block (router, experts and their LoRA: expert_lora.py) runs as its own module
+between o_proj's piece and the next layer, as in the static decoder. Sliding-window layers pass their window to the
+packed attention, gpt-oss's layers their sinks (packed_sink_attention.py). ``LOCALTINKER_TRAIN_LAYERS=0`` turns
+this path off, ``LOCALTINKER_TRAIN_COMPILE=0`` keeps it uncompiled; ``LOCALTINKER_TRAIN_GRAPHS=1`` replays the
+compiled pieces as CUDA graphs over a few buckets of packed length (opt-in until measured on a GPU).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from localtinker.engine.decode_layer import (
 from localtinker.engine.expert_lora import adapters_of
 from localtinker.engine.families import layer_windows, text_config
 from localtinker.engine.packed_layout import PackedLayout
-from localtinker.engine.packed_rows import has_attention_sinks
 from localtinker.engine.portable_attention import packed_causal_attention
 from localtinker.engine.static_decode import (
     frozen_layer, moe_block, run_moe_block, shared_weights, static_decode_supported,
@@ -191,6 +190,7 @@ class LayerParts(NamedTuple):
     pre_mlp_norm: torch.Tensor | None = None  # Gemma 3's norms before and after the MLP (with post_norm after
     post_mlp_norm: torch.Tensor | None = None  # the attention): decode_layer.sandwich_post_attention
     rotation: str | None = None  # Gemma 3: the layer type whose rotation frequencies the layer takes
+    sinks: torch.Tensor | None = None  # gpt-oss: each head's sink logit [heads]
 
     def trained(self) -> list[torch.Tensor]:
         """The adapter's factor parameters the pieces read (not the experts' own, which their block reads)."""
@@ -269,7 +269,8 @@ class PackedLayers:
                 layer.post_attention_layernorm.weight, bases.get("gate_up", ()), factors.get("gate_up", _NO_FACTORS),
                 bases.get("down", ()), factors.get("down", _NO_FACTORS), moe, window,
                 norm_weight(getattr(layer, "pre_feedforward_layernorm", None)),
-                norm_weight(getattr(layer, "post_feedforward_layernorm", None)), kind)
+                norm_weight(getattr(layer, "post_feedforward_layernorm", None)), kind,
+                getattr(layer.self_attn, "sinks", None))
             if self.graphs:
                 _mark_static(part)
             parts.append(part)
@@ -340,7 +341,7 @@ class PackedLayers:
         """cos and sin ``[tokens, 1, dim]`` of the rows' positions, per rotation kind (one but for Gemma 3)."""
         rotations = {}
         for kind in dict.fromkeys(self.rotations):
-            cos, sin = rotation(self.rotary, x[None], positions[None], kind)
+            cos, sin = rotation(self.rotary, x[None], positions[None], kind, self.shape.head_dim)
             cos, sin = cos[0][:, None], sin[0][:, None]
             if self.compiled:
                 _mark_tokens_dynamic(cos, sin)
@@ -352,14 +353,14 @@ class PackedLayers:
         """One decoder layer: the pre piece, attention over the packed rows, the post piece (an MoE layer: o_proj's
         piece, then its block as a module)."""
         (norm, qkv, qkv_factors, q_norm, k_norm, o_proj, o_factors, post_norm, gate_up, gate_up_factors, down,
-         down_factors, moe, window, pre_mlp_norm, post_mlp_norm, kind) = part
+         down_factors, moe, window, pre_mlp_norm, post_mlp_norm, kind, sinks) = part
         pre, post, residual, sandwich = self._pieces
         shape = self.shape
         if self.compiled:
             _mark_tokens_dynamic(x)
         q, k, v = pre(x, norm, *qkv, qkv_factors, q_norm, k_norm, *rotations[kind], shape.heads, shape.kv_heads,
                       shape.eps, shape.qk_eps, self.sandwich)
-        out = packed_causal_attention(q, k, v, layout, shape.scale, window)
+        out = packed_causal_attention(q, k, v, layout, shape.scale, window, sinks)
         out = out.reshape(out.shape[0], shape.heads * shape.head_dim)
         if self.compiled:
             _mark_tokens_dynamic(out)
@@ -435,15 +436,14 @@ def _mark_static(part: LayerParts) -> None:
     updates the factors in place), so a replay reads them where they are instead of copying each into the
     graph's own input buffers. Unguarded: a tensor that does move makes the graph record again, not recompile."""
     tensors = [part.norm, *part.qkv, part.q_norm, part.k_norm, *part.o_proj, part.post_norm, *part.gate_up,
-               *part.down, part.pre_mlp_norm, part.post_mlp_norm, *part.trained()]
+               *part.down, part.pre_mlp_norm, part.post_mlp_norm, part.sinks, *part.trained()]
     for tensor in tensors:
         if tensor is not None and getattr(tensor, "_dynamo_static_input_type", None) is None:
             torch._dynamo.mark_static_address(tensor)
 
 
 def _written_out(model: torch.nn.Module) -> bool:
-    """Whether this path computes ``model``'s layers: the static decoder's families, MoE blocks included, but not
-    attention with sinks (gpt-oss) or a soft cap on its scores (Gemma 2), which the packed attention (flash varlen,
-    sdpa by segment) lacks."""
+    """Whether this path computes ``model``'s layers: the static decoder's families, MoE blocks and attention sinks
+    included, but not a soft cap on the attention scores (Gemma 2), which the flash kernel lacks."""
     capped = bool(getattr(text_config(model.config), "attn_logit_softcapping", None))
-    return not has_attention_sinks(model.get_decoder()) and not capped and static_decode_supported(model)
+    return not capped and static_decode_supported(model)

@@ -531,9 +531,7 @@ class StaticDecoder:
         ids = torch.arange(columns, device=self.device)
         self._tables = {}
         for kind in dict.fromkeys(self.rotations):
-            cos, sin = rotation(self.rotary, self.embed.weight[:1][None], ids[None], kind)
-            if cos.shape[-1] * 2 == self.shape.head_dim:  # gpt-oss gives each frequency once: rotate takes it twice
-                cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+            cos, sin = rotation(self.rotary, self.embed.weight[:1][None], ids[None], kind, self.shape.head_dim)
             self._tables[kind] = (cos[0], sin[0])
         self._column_ids = ids
         self._slot_ids = torch.arange(slots, device=self.device)

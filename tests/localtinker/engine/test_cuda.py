@@ -253,6 +253,31 @@ def test_shared_prompts_through_flash_varlen_equal_whole_rows():
                 torch.testing.assert_close(shared[index], expected, atol=3e-2, rtol=0)
 
 
+def test_attention_sinks_through_flash_equal_the_explicit_softmax():
+    """gpt-oss's sinks over the flash kernel (packed_sink_attention.py): the bf16 output and the gradients of q, k,
+    v and the sinks — the kernel's backward fed the corrected dO and out — equal the explicit float32 softmax with a
+    sink column on the CPU, with shared prompts and a window, within bf16 rounding of each tensor's scale; and the
+    kernel was not given up for the explicit one."""
+    from localtinker.engine import packed_sink_attention
+    from localtinker.engine.packed_layout import PackedLayout
+    from localtinker.engine.portable_attention import packed_causal_attention
+    from tests.localtinker.engine.test_packed_sink_attention import (
+        inputs, reference, shared_layout, values_and_gradients,
+    )
+
+    cuda, cpu = torch.device("cuda", torch.cuda.current_device()), torch.device("cpu")
+    for shared in (False, True):
+        for window in (None, 4):
+            layouts = [shared_layout(d) if shared else PackedLayout.rows([7, 4, 6], d) for d in (cuda, cpu)]
+            ours = values_and_gradients(packed_causal_attention, inputs(cuda, torch.bfloat16, dim=64), layouts[0],
+                                        window)
+            expected = values_and_gradients(reference, inputs(cpu, torch.float32, dim=64), layouts[1], window)
+            for name, mine, theirs in zip(("out", "dq", "dk", "dv", "dsinks"), ours, expected):
+                scale = max(1.0, float(theirs.abs().max()))
+                torch.testing.assert_close(mine.cpu(), theirs, atol=3e-2 * scale, rtol=0, msg=f"{name} {window}")
+    assert packed_sink_attention._flash_error is None
+
+
 def test_grpo_batches_share_prompts_on_the_gpu(cuda_bf16, monkeypatch):
     """A GRPO-shaped batch in bf16 (written-out layers, flash varlen): the shared prompts' logprobs and
     gradients are those of whole rows, within bf16 rounding."""

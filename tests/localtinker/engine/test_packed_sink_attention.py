@@ -1,0 +1,83 @@
+"""packed_sink_attention.py: attention with gpt-oss's sinks over packed segments, with the backward written out
+for the flash kernel, equals the softmax with a sink column (portable_attention.explicit_attention) and its
+autograd gradients — for the queries, keys, values and sinks, through shared prompts' gathered keys and sliding
+windows. On the CPU the kernels are the explicit ones, which compute what flash computes from the same inputs;
+test_cuda.py checks the flash kernel itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from localtinker.engine.packed_layout import PackedLayout
+from localtinker.engine.portable_attention import explicit_attention, packed_causal_attention
+
+CPU = torch.device("cpu")
+HEADS, KV_HEADS, DIM, SCALE = 4, 2, 16, 0.25
+
+
+def shared_layout(device: torch.device) -> PackedLayout:
+    """A prompt of 5 rows run once and read by two members of 3 rows each, then a datum of 6 rows alone: the
+    members' queries are the last rows of their key segments (8 keys for 3 queries)."""
+    prompt, first, second, alone = range(0, 5), range(5, 8), range(8, 11), range(11, 17)
+    key_rows = [*prompt, *prompt, *first, *prompt, *second, *alone]
+    return PackedLayout(torch.tensor([0, 5, 8, 11, 17], dtype=torch.int32, device=device),
+                        torch.tensor([0, 5, 13, 21, 27], dtype=torch.int32, device=device), (5, 3, 3, 6), (5, 8, 8, 6),
+                        torch.tensor(key_rows, device=device))
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, window: int | None,
+              sinks: torch.Tensor) -> torch.Tensor:
+    """Segment by segment, transformers' eager formula: the scores with one more column per head, the sink."""
+    if layout.key_rows is not None:
+        k, v = k.index_select(0, layout.key_rows), v.index_select(0, layout.key_rows)
+    outs, q_start, k_start = [], 0, 0
+    for q_length, k_length in zip(layout.q_lengths, layout.k_lengths):
+        visible = torch.ones((q_length, k_length), dtype=torch.bool, device=q.device).tril(k_length - q_length)
+        if window:
+            visible &= ~torch.ones_like(visible).tril(k_length - q_length - window)
+        segment = (q[q_start:q_start + q_length], k[k_start:k_start + k_length], v[k_start:k_start + k_length])
+        out = explicit_attention(*(t.transpose(0, 1)[None] for t in segment), visible[None, None], SCALE, sinks=sinks)
+        outs.append(out[0])
+        q_start, k_start = q_start + q_length, k_start + k_length
+    return torch.cat(outs)
+
+
+def inputs(device: torch.device, dtype: torch.dtype, tokens: int = 17, seed: int = 0,
+           dim: int = DIM) -> list[torch.Tensor]:
+    """q, k, v and the sinks, the same for a device and dtype as for another (drawn on the CPU in float32)."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(tokens, heads, dim, generator=generator) for heads in (HEADS, KV_HEADS, KV_HEADS)]
+    sinks = torch.randn(HEADS, generator=generator) * 2  # sinks of gpt-oss's size take a real share of the softmax
+    return [t.to(device, dtype).requires_grad_() for t in (*tensors, sinks)]
+
+
+def values_and_gradients(function, tensors: list[torch.Tensor], *args) -> list[torch.Tensor]:
+    out = function(*tensors[:3], *args, tensors[3]) if function is reference else function(
+        *tensors[:3], *args[:1], SCALE, args[1], tensors[3])
+    weights = torch.linspace(-1, 1, out.numel(), device=out.device).reshape(out.shape)
+    grads = torch.autograd.grad((out.float() * weights).sum(), tensors)
+    return [out.detach().float(), *(g.float() for g in grads)]
+
+
+@pytest.mark.parametrize("window", [None, 4], ids=["causal", "window"])
+@pytest.mark.parametrize("shared", [False, True], ids=["rows", "shared-prompt"])
+def test_sink_attention_and_its_gradients_equal_the_softmax_with_a_sink_column(shared, window):
+    layout = shared_layout(CPU) if shared else PackedLayout.rows([7, 4, 6], CPU)
+    tensors = inputs(CPU, torch.float32)
+    ours = values_and_gradients(packed_causal_attention, tensors, layout, window)
+    expected = values_and_gradients(reference, tensors, layout, window)
+    for name, mine, theirs in zip(("out", "dq", "dk", "dv", "dsinks"), ours, expected):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5, msg=name)
+    assert expected[4].abs().min() > 1e-3  # the sinks' gradients are not trivially zero
+
+
+def test_a_sink_takes_its_share_of_every_row():
+    """With a sink far above every score a row's weights vanish; far below, the attention is the plain one."""
+    q, k, v, _ = inputs(CPU, torch.float32)
+    layout = PackedLayout.rows([17], CPU)
+    plain = packed_causal_attention(q, k, v, layout, SCALE)
+    low = packed_causal_attention(q, k, v, layout, SCALE, sinks=torch.full((HEADS,), -1e4))
+    high = packed_causal_attention(q, k, v, layout, SCALE, sinks=torch.full((HEADS,), 1e4))
+    torch.testing.assert_close(low, plain, atol=1e-6, rtol=0)
+    assert high.abs().max() < 1e-6
