@@ -26,9 +26,10 @@ def shared_layout(device: torch.device) -> PackedLayout:
                         torch.tensor(key_rows, device=device))
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, window: int | None,
-              sinks: torch.Tensor) -> torch.Tensor:
-    """Segment by segment, transformers' eager formula: the scores with one more column per head, the sink."""
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, scaling: float,
+              window: int | None, sinks: torch.Tensor) -> torch.Tensor:
+    """Segment by segment, transformers' eager formula: the scores with one more column per head, the sink (the
+    arguments of packed_causal_attention)."""
     if layout.key_rows is not None:
         k, v = k.index_select(0, layout.key_rows), v.index_select(0, layout.key_rows)
     outs, q_start, k_start = [], 0, 0
@@ -37,7 +38,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedL
         if window:
             visible &= ~torch.ones_like(visible).tril(k_length - q_length - window)
         segment = (q[q_start:q_start + q_length], k[k_start:k_start + k_length], v[k_start:k_start + k_length])
-        out = explicit_attention(*(t.transpose(0, 1)[None] for t in segment), visible[None, None], SCALE, sinks=sinks)
+        out = explicit_attention(*(t.transpose(0, 1)[None] for t in segment), visible[None, None], scaling, sinks=sinks)
         outs.append(out[0])
         q_start, k_start = q_start + q_length, k_start + k_length
     return torch.cat(outs)
@@ -52,9 +53,12 @@ def inputs(device: torch.device, dtype: torch.dtype, tokens: int = 17, seed: int
     return [t.to(device, dtype).requires_grad_() for t in (*tensors, sinks)]
 
 
-def values_and_gradients(function, tensors: list[torch.Tensor], *args) -> list[torch.Tensor]:
-    out = function(*tensors[:3], *args, tensors[3]) if function is reference else function(
-        *tensors[:3], *args[:1], SCALE, args[1], tensors[3])
+def values_and_gradients(attention, tensors: list[torch.Tensor], layout: PackedLayout,
+                         window: int | None) -> list[torch.Tensor]:
+    """The output of ``attention`` (packed_causal_attention's arguments) and the gradients of q, k, v and the sinks
+    of a weighted sum of it."""
+    q, k, v, sinks = tensors
+    out = attention(q, k, v, layout, SCALE, window, sinks)
     weights = torch.linspace(-1, 1, out.numel(), device=out.device).reshape(out.shape)
     grads = torch.autograd.grad((out.float() * weights).sum(), tensors)
     return [out.detach().float(), *(g.float() for g in grads)]
