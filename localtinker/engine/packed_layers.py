@@ -12,11 +12,11 @@ every micro-batch and each run of elementwise work becomes one kernel. Attention
 micro-batch's segments (packed_layout.py: a prompt shared by several datums runs once): flash varlen on CUDA in
 bf16/fp16, one sdpa per segment elsewhere.
 
-Taken where static decode is (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, gpt-oss, Gemma 3; not Gemma 2's capped
-scores, which the packed attention lacks) and the active adapter is plain (lora.py); anything else runs
-transformers' layers. An MoE layer's block (router, experts and their LoRA: expert_lora.py) runs as its own module
-between o_proj's piece and the next layer, as in the static decoder. Sliding-window layers pass their window to the
-packed attention, gpt-oss's layers their sinks (packed_sink_attention.py). ``LOCALTINKER_TRAIN_LAYERS=0`` turns
+Taken where static decode is (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, gpt-oss, Gemma 2 and 3) and the active
+adapter is plain (lora.py); anything else runs transformers' layers. An MoE layer's block (router, experts and
+their LoRA: expert_lora.py) runs as its own module between o_proj's piece and the next layer, as in the static
+decoder. Sliding-window layers pass their window to the packed attention, gpt-oss's layers their sinks and Gemma 2's
+the soft cap on their scores (beyond_flash.py). ``LOCALTINKER_TRAIN_LAYERS=0`` turns
 this path off, ``LOCALTINKER_TRAIN_COMPILE=0`` keeps it uncompiled; ``LOCALTINKER_TRAIN_GRAPHS=1`` replays the
 compiled pieces as CUDA graphs over a few buckets of packed length (opt-in until measured on a GPU).
 """
@@ -224,6 +224,7 @@ class PackedLayers:
         # Gemma 3: four norms of weight 1 + w per layer, a GELU gate, each layer type rotated by its own frequencies
         self.sandwich = self.shape.sandwich
         self.rotations = layer_rotations(model)
+        self.attention_softcap = getattr(text_config(model.config), "attn_logit_softcapping", None) or None  # Gemma 2
         by_default, why_not = compile_by_default(self.device, TRAIN_COMPILE_ENV)
         self.compiled = by_default if compiled is None else compiled
         self.compile_error: str | None = None if self.compiled else why_not
@@ -360,7 +361,7 @@ class PackedLayers:
             _mark_tokens_dynamic(x)
         q, k, v = pre(x, norm, *qkv, qkv_factors, q_norm, k_norm, *rotations[kind], shape.heads, shape.kv_heads,
                       shape.eps, shape.qk_eps, self.sandwich)
-        out = packed_causal_attention(q, k, v, layout, shape.scale, window, sinks)
+        out = packed_causal_attention(q, k, v, layout, shape.scale, window, sinks, self.attention_softcap)
         out = out.reshape(out.shape[0], shape.heads * shape.head_dim)
         if self.compiled:
             _mark_tokens_dynamic(out)
@@ -443,7 +444,6 @@ def _mark_static(part: LayerParts) -> None:
 
 
 def _written_out(model: torch.nn.Module) -> bool:
-    """Whether this path computes ``model``'s layers: the static decoder's families, MoE blocks and attention sinks
-    included, but not a soft cap on the attention scores (Gemma 2), which the flash kernel lacks."""
-    capped = bool(getattr(text_config(model.config), "attn_logit_softcapping", None))
-    return not capped and static_decode_supported(model)
+    """Whether this path computes ``model``'s layers: the static decoder's families, MoE blocks, attention sinks and
+    soft-capped scores included."""
+    return static_decode_supported(model)

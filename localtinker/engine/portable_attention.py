@@ -10,8 +10,8 @@ plus what sdpa lacks.
   (:func:`explicit_attention`: transformers' eager formulas, the softmax in float32); sinks without a cap go
   through sdpa with the sink as one more key (:func:`sink_attention`), which keeps no scores for the backward.
   The flash varlen kernel has neither, so packed rows of such models take transformers' packed-sequence mask
-  instead (packed_rows.py); the written-out layers (packed_layers.py) take sinks over that kernel
-  (packed_sink_attention.py).
+  instead (packed_rows.py); the written-out layers (packed_layers.py) take sinks over that kernel and soft caps
+  on explicit kernels that keep no scores for the backward (beyond_flash.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from localtinker.engine.packed_sink_attention import packed_sink_attention
+from localtinker.engine.beyond_flash import attention_beyond_flash
 
 if TYPE_CHECKING:
     from localtinker.engine.packed_layout import PackedLayout
@@ -209,19 +209,20 @@ def _varlen_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, scaling: float,
-                            window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                            window: int | None = None, sinks: torch.Tensor | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """Causal attention of packed rows by ``layout``'s segments (packed_layout.py): q [tokens, heads, d], k and v
     [tokens, kv heads, d], gathered into the segments' key order where the layout shares prompts. Returns
     [tokens, heads, d]. The flash varlen kernel on CUDA in bf16/fp16 (packed_layers.py's path); elsewhere one
     sdpa per segment, the same function (a segment shorter than its keys sees them all but its own future).
     A key segment is its datum's positions from 0, so with a sliding ``window`` a query at position p sees the
     keys after p − window, as transformers' sliding masks and the kernel's window (aligned at the keys' end) do.
-    ``sinks`` [heads] (gpt-oss): packed_sink_attention.py, over the same kernel where it runs."""
+    ``sinks`` [heads] (gpt-oss) and a ``softcap`` on the scores (Gemma 2): beyond_flash.py."""
     if layout.key_rows is not None:
         k, v = k.index_select(0, layout.key_rows), v.index_select(0, layout.key_rows)
     flash = varlen_available(q.device) and q.dtype in (torch.bfloat16, torch.float16)
-    if sinks is not None:
-        return packed_sink_attention(q, k, v, layout, scaling, window, sinks, flash)
+    if sinks is not None or softcap:
+        return attention_beyond_flash(q, k, v, layout, scaling, window, sinks, softcap, flash)
     if flash:
         return _varlen_core(q, k, v, layout.cu_q, layout.max_q, scaling, window, layout.cu_k, layout.max_k)
     group = q.shape[1] // k.shape[1]

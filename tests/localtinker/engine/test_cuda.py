@@ -253,29 +253,30 @@ def test_shared_prompts_through_flash_varlen_equal_whole_rows():
                 torch.testing.assert_close(shared[index], expected, atol=3e-2, rtol=0)
 
 
-def test_attention_sinks_through_flash_equal_the_explicit_softmax():
-    """gpt-oss's sinks over the flash kernel (packed_sink_attention.py): the bf16 output and the gradients of q, k,
-    v and the sinks — the kernel's backward fed the corrected dO and out — equal the explicit float32 softmax with a
-    sink column on the CPU, with shared prompts and a window, within bf16 rounding of each tensor's scale; and the
-    kernel was not given up for the explicit one."""
-    from localtinker.engine import packed_sink_attention
+def test_attention_sinks_through_flash_and_soft_caps_equal_the_explicit_softmax():
+    """gpt-oss's sinks over the flash kernel and Gemma 2's soft cap on the explicit kernels (beyond_flash.py): the
+    bf16 output and the gradients of q, k, v (and the sinks) — the kernel's backward fed the corrected dO and out —
+    equal the explicit float32 formula on the CPU, with shared prompts and a window, within bf16 rounding of each
+    tensor's scale; and the kernel was not given up for the explicit one."""
+    from localtinker.engine import beyond_flash
     from localtinker.engine.packed_layout import PackedLayout
     from localtinker.engine.portable_attention import packed_causal_attention
-    from tests.localtinker.engine.test_packed_sink_attention import (
-        inputs, reference, shared_layout, values_and_gradients,
-    )
+    from tests.localtinker.engine.test_beyond_flash import inputs, reference, shared_layout, values_and_gradients
 
     cuda, cpu = torch.device("cuda", torch.cuda.current_device()), torch.device("cpu")
-    for shared in (False, True):
-        for window in (None, 4):
-            layouts = [shared_layout(d) if shared else PackedLayout.rows([7, 4, 6], d) for d in (cuda, cpu)]
-            ours = values_and_gradients(packed_causal_attention, inputs(cuda, torch.bfloat16, dim=64), layouts[0],
-                                        window)
-            expected = values_and_gradients(reference, inputs(cpu, torch.float32, dim=64), layouts[1], window)
-            for name, mine, theirs in zip(("out", "dq", "dk", "dv", "dsinks"), ours, expected):
-                scale = max(1.0, float(theirs.abs().max()))
-                torch.testing.assert_close(mine.cpu(), theirs, atol=3e-2 * scale, rtol=0, msg=f"{name} {window}")
-    assert packed_sink_attention._flash_error is None
+    for softcap, sinks in ((None, True), (2.0, False)):
+        for shared in (False, True):
+            for window in (None, 4):
+                layouts = [shared_layout(d) if shared else PackedLayout.rows([7, 4, 6], d) for d in (cuda, cpu)]
+                ours = values_and_gradients(packed_causal_attention, inputs(cuda, torch.bfloat16, dim=64), layouts[0],
+                                            window, softcap, sinks)
+                expected = values_and_gradients(reference, inputs(cpu, torch.float32, dim=64), layouts[1], window,
+                                                softcap, sinks)
+                for name, mine, theirs in zip(("out", "dq", "dk", "dv", "dsinks"), ours, expected):
+                    scale = max(1.0, float(theirs.abs().max()))
+                    torch.testing.assert_close(mine.cpu(), theirs, atol=3e-2 * scale, rtol=0,
+                                               msg=f"{name} {window} {softcap}")
+    assert beyond_flash._flash_error is None
 
 
 def test_grpo_batches_share_prompts_on_the_gpu(cuda_bf16, monkeypatch):

@@ -22,7 +22,7 @@ from tests.localtinker.engine.families import FAMILIES, SLIDING_FAMILIES, family
 from tests.localtinker.engine.test_families import _datum
 
 TOLERANCE = 1e-5
-WRITTEN_OUT = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "gemma3_text")
+WRITTEN_OUT = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "gemma2", "gemma3_text")
 LENGTHS = (7, 19, 3)
 
 

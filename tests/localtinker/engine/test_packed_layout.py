@@ -171,7 +171,7 @@ def test_a_sliding_window_hides_the_keys_as_transformers_mask_does():
 
 
 @pytest.mark.parametrize("family,system", [("llama", 0), ("qwen3", 0), ("llama", 24), ("qwen3_moe", 0),
-                                           ("mistral_sliding", 24), ("gpt_oss", 24)])
+                                           ("mistral_sliding", 24), ("gpt_oss", 24), ("gemma2", 24)])
 def test_the_written_out_layers_give_each_datum_its_whole_hidden_states_and_gradients(tmp_path, family, system):
     engine, model_id = _engine(tmp_path, family)
     model = engine._models[model_id]

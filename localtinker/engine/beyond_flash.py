@@ -1,10 +1,12 @@
-"""Causal attention of packed rows with attention sinks (gpt-oss), through the flash kernel on a GPU.
+"""Causal attention of packed rows beyond what the flash kernel computes: attention sinks (gpt-oss) and soft caps
+on the scores (Gemma 2), with a flash kernel's memory: nothing of [queries × keys] is kept for the backward.
 
-A sink is a learned logit per head that joins every row's softmax as one more column and then is dropped, so a
-row's weights over its keys sum to ``σ = sigmoid(lse − sink)``, where ``lse`` is the log-normaliser of its scores
-over the keys alone. The attention with sinks is therefore the plain attention ``O`` times ``σ``, and the flash
-kernel returns both ``O`` and ``lse``. torch's own varlen wrapper drops the gradient that reaches ``lse``, so
-the backward is written here, for the kernel's backward to compute with the right inputs:
+**Sinks**, through the flash kernel on a GPU. A sink is a learned logit per head that joins every row's softmax as
+one more column and then is dropped, so a row's weights over its keys sum to ``σ = sigmoid(lse − sink)``, where
+``lse`` is the log-normaliser of its scores over the keys alone. The attention with sinks is therefore the plain
+attention ``O`` times ``σ``, and the flash kernel returns both ``O`` and ``lse``. torch's own varlen wrapper drops
+the gradient that reaches ``lse``, so the backward is written here, for the kernel's backward to compute with the
+right inputs:
 
 - the gradient of ``o = σ·O`` with respect to a score ``S_i`` is ``p_i·(σ g·v_i − σ² g·O)``, with ``p_i`` the
   softmax over the keys alone;
@@ -13,10 +15,16 @@ the backward is written here, for the kernel's backward to compute with the righ
 - a sink's own gradient is ``−Σ g·o·(1 − σ)`` over its head's rows (nothing trains it in a LoRA run, but a full
   fine-tune would).
 
-This lets gpt-oss train through the written-out layers (packed_layers.py: a prompt shared by several samples
-runs once) with flash's memory and speed on a GPU. Elsewhere the same function runs over explicit float32
-kernels by segment that compute what the flash kernel's forward and backward compute (the log-normaliser, the
-gradient from the given ``dO`` and ``out``), so the CPU tests check this backward, and the GPU test the kernel.
+**Soft caps** (``cap·tanh(s / cap)`` on each score) change every score, which no correction after the kernel can
+give, so they run on explicit kernels: float32 products segment by segment (a shared prompt's segments included),
+the scores recomputed in the backward as the flash kernel recomputes them. Through transformers' layers a packed
+micro-batch's capped scores were one [heads × tokens × tokens] float32 product kept for the backward in every layer
+(Gemma-2-2B at its 4096-token budget: 0.5 GiB a layer, several times over).
+
+This lets gpt-oss and Gemma 2 train through the written-out layers (packed_layers.py: a prompt shared by several
+samples runs once). The explicit kernels compute what the flash kernel's forward and backward compute (the
+log-normaliser; the gradient from the given ``dO`` and ``out``), so on the CPU the same autograd function checks
+this backward, and the GPU test the kernel.
 """
 
 from __future__ import annotations
@@ -30,49 +38,57 @@ if TYPE_CHECKING:
     from localtinker.engine.packed_layout import PackedLayout
 
 
-def packed_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, scaling: float,
-                          window: int | None, sinks: torch.Tensor, flash: bool) -> torch.Tensor:
-    """Causal attention with ``sinks`` [heads] of q [tokens, heads, d] over k, v [key rows, kv heads, d] already in
-    ``layout``'s key order, by its segments (aligned at the keys' end, a sliding ``window`` as in
-    portable_attention.packed_causal_attention); returns [tokens, heads, d]. ``flash``: the CUDA flash kernel
-    (bf16/fp16), else the explicit kernels; a flash kernel this torch cannot call as asked warns once and leaves
-    the explicit kernels for the process (the same values, slower)."""
+def attention_beyond_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, scaling: float,
+                           window: int | None, sinks: torch.Tensor | None, softcap: float | None,
+                           flash: bool) -> torch.Tensor:
+    """Causal attention of q [tokens, heads, d] over k, v [key rows, kv heads, d] already in ``layout``'s key
+    order, by its segments (aligned at the keys' end, a sliding ``window`` as in
+    portable_attention.packed_causal_attention), with ``sinks`` [heads] and/or a ``softcap`` on the scores;
+    returns [tokens, heads, d]. ``flash``: the CUDA flash kernel (bf16/fp16) where no soft cap asks for the
+    explicit kernels; a flash kernel this torch cannot call as asked warns once and leaves the explicit kernels for
+    the process (the same values, slower)."""
     global _flash_error
-    if flash and _flash_error is None:
+    if flash and softcap is None and _flash_error is None:
         try:
-            return _SinkAttention.apply(q, k, v, sinks, layout, scaling, window, True)
+            return _BeyondFlash.apply(q, k, v, sinks, layout, scaling, window, None, True)
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as error:
             _flash_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             warnings.warn(f"attention sinks: the flash kernel failed ({_flash_error}); computing them explicitly",
                           RuntimeWarning, stacklevel=2)
-    return _SinkAttention.apply(q, k, v, sinks, layout, scaling, window, False)
+    return _BeyondFlash.apply(q, k, v, sinks, layout, scaling, window, softcap, False)
 
 
 _flash_error: str | None = None  # why the flash kernel was given up in this process, if it was
 
 
-class _SinkAttention(torch.autograd.Function):
+class _BeyondFlash(torch.autograd.Function):
+    """The kernels' attention, times each row's share ``σ`` where there are sinks (see the module docstring)."""
+
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
-                layout: PackedLayout, scaling: float, window: int | None, flash: bool) -> torch.Tensor:
-        kernels = _Flash(layout, scaling, window) if flash else _Explicit(layout, scaling, window)
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+                layout: PackedLayout, scaling: float, window: int | None, softcap: float | None,
+                flash: bool) -> torch.Tensor:
+        kernels = _Flash(layout, scaling, window) if flash else _Explicit(layout, scaling, window, softcap)
         out, lse = kernels.forward(q, k, v)
-        share = torch.sigmoid(lse - sinks.float()[:, None]).t()[..., None]  # σ [tokens, heads, 1]
-        o = (out.float() * share).to(q.dtype)
-        ctx.save_for_backward(q, k, v, o, lse, share)
-        ctx.kernels, ctx.sinks_dtype = kernels, sinks.dtype
-        return o
+        share = None
+        if sinks is not None:
+            share = torch.sigmoid(lse - sinks.float()[:, None]).t()[..., None]  # σ [tokens, heads, 1]
+            out = (out.float() * share).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, share)
+        ctx.kernels, ctx.sinks_dtype = kernels, None if sinks is None else sinks.dtype
+        return out
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, o, lse, share = ctx.saved_tensors
-        dq, dk, dv = ctx.kernels.backward((g.float() * share).to(q.dtype), q, k, v, o, lse)
+        d_out = g if share is None else (g.float() * share).to(q.dtype)
+        dq, dk, dv = ctx.kernels.backward(d_out, q, k, v, o, lse)
         d_sinks = None
         if ctx.needs_input_grad[3]:
             d_sinks = -((g.float() * o.float()).sum(-1) * (1 - share[..., 0])).sum(0).to(ctx.sinks_dtype)
-        return dq, dk, dv, d_sinks, None, None, None, None
+        return dq, dk, dv, d_sinks, None, None, None, None, None
 
 
 class _Flash:
@@ -116,11 +132,11 @@ class _Flash:
 
 
 class _Explicit:
-    """The flash kernel's forward and backward as float32 products, segment by segment: the reference on any
-    device (and what a CPU runs)."""
+    """The flash kernel's forward and backward as float32 products, segment by segment, with a soft cap on the
+    scores where asked: what a CPU runs, and a GPU for soft caps."""
 
-    def __init__(self, layout: PackedLayout, scaling: float, window: int | None) -> None:
-        self.layout, self.scaling, self.window = layout, scaling, window
+    def __init__(self, layout: PackedLayout, scaling: float, window: int | None, softcap: float | None = None) -> None:
+        self.layout, self.scaling, self.window, self.softcap = layout, scaling, window, softcap
 
     def _segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Per segment: its query rows, and its queries, keys and values ``[heads, rows, d]`` in float32 (keys
@@ -138,14 +154,20 @@ class _Explicit:
                    *(t.float().transpose(0, 1).repeat_interleave(n, 0) for t, n in ((q[rows], 1), (k[key_rows], group),
                                                                                    (v[key_rows], group))))
 
-    def _scores(self, queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    def _scores(self, queries: torch.Tensor, keys: torch.Tensor,
+                visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The masked scores, and with a soft cap the derivative of each capped score by the plain one."""
         scores = torch.matmul(queries, keys.transpose(-1, -2)) * self.scaling
-        return scores.masked_fill(~visible, float("-inf"))
+        slope = None
+        if self.softcap:
+            capped = torch.tanh(scores / self.softcap)
+            scores, slope = capped * self.softcap, 1 - capped.square()
+        return scores.masked_fill(~visible, float("-inf")), slope
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         outs, lses = [], []
         for _, _, visible, queries, keys, values in self._segments(q, k, v):
-            scores = self._scores(queries, keys, visible)
+            scores, _ = self._scores(queries, keys, visible)
             lse = torch.logsumexp(scores, -1)
             outs.append(torch.matmul(torch.exp(scores - lse[..., None]), values).transpose(0, 1))
             lses.append(lse)
@@ -156,11 +178,14 @@ class _Explicit:
         dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
         heads, key_heads = q.shape[1], k.shape[1]
         for rows, key_rows, visible, queries, keys, values in self._segments(q, k, v):
-            weights = torch.exp(self._scores(queries, keys, visible) - lse[:, rows, None])  # p [heads, q, k]
+            scores, slope = self._scores(queries, keys, visible)
+            weights = torch.exp(scores - lse[:, rows, None])  # p [heads, q, k]
             grad = d_out[rows].float().transpose(0, 1)  # dO [heads, q, d]
             d_weights = torch.matmul(grad, values.transpose(-1, -2))
             # D = Σ dO∘out from the out given, as the kernel computes it
             d_scores = weights * (d_weights - (grad * out[rows].float().transpose(0, 1)).sum(-1, keepdim=True))
+            if slope is not None:  # through the cap to the plain scores
+                d_scores = d_scores * slope
             dq[rows] = (torch.matmul(d_scores, keys) * self.scaling).transpose(0, 1)
             per_head_k = torch.matmul(d_scores.transpose(-1, -2), queries) * self.scaling
             per_head_v = torch.matmul(weights.transpose(-1, -2), grad)
