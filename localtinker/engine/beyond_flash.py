@@ -53,7 +53,7 @@ def attention_beyond_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
             return _BeyondFlash.apply(q, k, v, sinks, layout, scaling, window, None, True)
         except torch.OutOfMemoryError:
             raise
-        except RuntimeError as error:
+        except (RuntimeError, TypeError) as error:  # (an op's arguments this torch's schema lacks: either)
             _flash_error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             warnings.warn(f"attention sinks: the flash kernel failed ({_flash_error}); computing them explicitly",
                           RuntimeWarning, stacklevel=2)

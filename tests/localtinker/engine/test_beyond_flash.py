@@ -121,3 +121,26 @@ def test_a_sink_takes_its_share_of_every_row():
     high = packed_causal_attention(q, k, v, layout, SCALE, sinks=torch.full((HEADS,), 1e4))
     torch.testing.assert_close(low, plain, atol=1e-6, rtol=0)
     assert high.abs().max() < 1e-6
+
+
+def test_a_flash_kernel_that_fails_as_called_leaves_the_explicit_kernels_with_a_warning(monkeypatch):
+    """A torch whose flash op does not take these arguments: one warning naming why, the same values from the
+    explicit kernels, and no second try in the process."""
+    from localtinker.engine import beyond_flash
+
+    calls = []
+
+    def refuse(self, q, k, v):
+        calls.append(1)
+        raise RuntimeError("Overloaded torch operator invoked from Python failed to match any schema")
+
+    monkeypatch.setattr(beyond_flash._Flash, "forward", refuse)
+    monkeypatch.setattr(beyond_flash, "_flash_error", None)
+    q, k, v, sinks = inputs(CPU, torch.float32)
+    layout = PackedLayout.rows([7, 4, 6], CPU)
+    expected = beyond_flash.attention_beyond_flash(q, k, v, layout, SCALE, None, sinks, None, flash=False)
+    with pytest.warns(RuntimeWarning, match="flash kernel failed.*failed to match any schema"):
+        out = beyond_flash.attention_beyond_flash(q, k, v, layout, SCALE, None, sinks, None, flash=True)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    beyond_flash.attention_beyond_flash(q, k, v, layout, SCALE, None, sinks, None, flash=True)
+    assert calls == [1] and beyond_flash._flash_error.startswith("RuntimeError")
