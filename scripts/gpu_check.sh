@@ -5,7 +5,8 @@
 # family; 22 now) and the bench ~260 s for three models (before its CUDA-graph, shared-prompt and decode-variant
 # rows). By default the tests stop at 240 s and the bench at 330 s, so both fit one 600 s command; each test's
 # result is printed as it ends, and the bench prints each figure as it is measured, so a part stopped at its
-# limit still reports what it finished.
+# limit still reports what it finished. The report ends with the defaults the run supports flipping
+# (bench/gpu_decisions.py).
 #
 #   bash scripts/gpu_check.sh                 # report in ./gpu-report/ (or $OUT/ when set)
 #   WHEELS=dir bash scripts/gpu_check.sh      # install dir/*.whl first (default: .whl/ when present)
@@ -41,6 +42,7 @@ fi
   # Two processes within one limit: first the tests that decide the opt-in defaults (the sdpa decode attention
   # last, as its capture can spoil the process's CUDA generator), then the ten families in float32, which
   # compile their own pieces and take most of the time.
+  rm -f "$REPORT_DIR/gpu_tests.txt"  # (read by the defaults' verdicts after the bench)
   tests_limit=${TESTS_TIMEOUT:-240}
   tests_started=$SECONDS
   for selection in "not test_families_in_float32" "test_families_in_float32"; do
@@ -49,7 +51,7 @@ fi
     timeout "$left" "$PY" -m pytest -v -rfs --tb=line --noconftest -p no:cacheprovider -p no:logging -m gpu \
       -k "$selection" tests/localtinker/engine/test_cuda.py 2>&1 \
       | grep -E " (PASSED|FAILED|ERROR|SKIPPED)|^(FAILED|ERROR) |[0-9]+ (passed|failed|skipped|errors?)|^/.*(Error|error)" \
-      | sed 's|^tests/localtinker/engine/test_cuda.py::||' | tail -60
+      | sed 's|^tests/localtinker/engine/test_cuda.py::||' | tail -60 | tee -a "$REPORT_DIR/gpu_tests.txt"
   done
   fi
   if [[ " $PARTS " == *" bench "* ]]; then
@@ -58,6 +60,9 @@ fi
   TRACE_ARGS=()
   [[ -n "${TRACES:-}" ]] && TRACE_ARGS=(--profile --trace-dir "$TRACES")
   timeout "${BENCH_TIMEOUT:-330}" "$PY" bench/bench_gpu.py --json "$REPORT_DIR/bench_gpu.json" "${TRACE_ARGS[@]}" ${BENCH_ARGS:-} 2>&1 | grep -vE "Warning|warnings.warn|^$|Loading weights"
+  echo
+  echo "## the defaults this run supports (bench/gpu_decisions.py)"
+  "$PY" bench/gpu_decisions.py "$REPORT_DIR/bench_gpu.json" "$REPORT_DIR/gpu_tests.txt"
   if [[ -n "${TRACES:-}" ]]; then
     echo
     echo "## where the profiled calls' time went (bench/trace_summary.py)"
