@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from localtinker.engine.packed_layout import segment_visibility
+
 if TYPE_CHECKING:
     from localtinker.engine.packed_layout import PackedLayout
 
@@ -146,10 +148,7 @@ class _Explicit:
         for q_length, k_length in zip(self.layout.q_lengths, self.layout.k_lengths):
             rows, key_rows = slice(q_start, q_start + q_length), slice(k_start, k_start + k_length)
             q_start, k_start = q_start + q_length, k_start + k_length
-            offset = k_length - q_length  # query i sees keys ≤ i + offset (aligned at the keys' end)
-            visible = torch.ones((q_length, k_length), dtype=torch.bool, device=q.device).tril(offset)
-            if self.window:
-                visible &= ~torch.ones_like(visible).tril(offset - self.window)
+            visible = segment_visibility(q_length, k_length, self.window, q.device)
             yield (rows, key_rows, visible,
                    *(t.float().transpose(0, 1).repeat_interleave(n, 0) for t, n in ((q[rows], 1), (k[key_rows], group),
                                                                                    (v[key_rows], group))))

@@ -152,6 +152,17 @@ class _Builder:
                            self.datum_rows, self.q_lengths, self.k_segments)
 
 
+def segment_visibility(q_length: int, k_length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """Which keys each query of a segment sees, [queries, keys]: causally, aligned at the keys' end (a query segment
+    shorter than its keys is their last rows: query i sees keys ≤ i + offset), and with a sliding ``window`` none
+    at or before its position − window. The attentions that take segments explicitly all mask by it."""
+    offset = k_length - q_length
+    visible = torch.ones((q_length, k_length), dtype=torch.bool, device=device).tril(offset)
+    if window:
+        visible &= ~torch.ones_like(visible).tril(offset - window)
+    return visible
+
+
 def _rows(ranges: list[tuple[int, int]]) -> torch.Tensor:
     return torch.cat([torch.arange(start, start + length) for start, length in ranges])
 

@@ -26,6 +26,8 @@ import torch
 
 from localtinker.engine.beyond_flash import attention_beyond_flash
 
+from localtinker.engine.packed_layout import segment_visibility
+
 if TYPE_CHECKING:
     from localtinker.engine.packed_layout import PackedLayout
 
@@ -234,14 +236,10 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         q_start, k_start = q_start + q_length, k_start + k_length
         if group > 1:
             keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
-        offset = k_length - q_length  # causal aligned at the end: query i sees keys ≤ i + offset
-        if offset == 0 and not (window and k_length > window):
+        if k_length == q_length and not (window and k_length > window):
             options: dict[str, Any] = {"is_causal": True}
         else:
-            visible = torch.ones((q_length, k_length), dtype=torch.bool, device=q.device).tril(offset)
-            if window:  # and none at or before its position − window
-                visible &= ~torch.ones_like(visible).tril(offset - window)
-            options = {"attn_mask": visible}
+            options = {"attn_mask": segment_visibility(q_length, k_length, window, q.device)}
         out = torch.nn.functional.scaled_dot_product_attention(queries[None], keys[None], values[None], scale=scaling,
                                                                **options)
         outputs.append(out[0].transpose(0, 1))
