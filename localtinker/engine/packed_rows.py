@@ -60,13 +60,14 @@ def device_microbatch_tokens(config: object, device: torch.device, ceiling: int)
 
 
 def takes_varlen(decoder: torch.nn.Module, device: torch.device) -> bool:
-    """Whether packed rows run through the flash varlen kernel: a CUDA device, bf16/fp16 weights (flash has no
-    float32), no attention soft cap and no attention sinks (Gemma 2's cap and gpt-oss's sinks go through the
-    masked product instead)."""
+    """Whether packed rows go through transformers' layers by their bounds, with no [tokens × tokens] mask: through
+    the flash varlen kernel on a CUDA device in bf16/fp16 (flash has no float32); with attention sinks (gpt-oss)
+    or a soft cap on the scores (Gemma 2) through beyond_flash.py, on any device and dtype (its explicit kernels
+    where flash cannot run)."""
     config = decoder.config.get_text_config() if hasattr(decoder.config, "get_text_config") else decoder.config
-    half = next(decoder.parameters()).dtype in (torch.bfloat16, torch.float16)
-    return (varlen_available(device) and half and not getattr(config, "attn_logit_softcapping", None)
-            and not has_attention_sinks(decoder))
+    if getattr(config, "attn_logit_softcapping", None) or has_attention_sinks(decoder):
+        return True
+    return varlen_available(device) and next(decoder.parameters()).dtype in (torch.bfloat16, torch.float16)
 
 
 def has_attention_sinks(decoder: torch.nn.Module) -> bool:

@@ -9,9 +9,9 @@ plus what sdpa lacks.
   head that takes a share of the softmax and no value), which sdpa cannot apply, run as an explicit product
   (:func:`explicit_attention`: transformers' eager formulas, the softmax in float32); sinks without a cap go
   through sdpa with the sink as one more key (:func:`sink_attention`), which keeps no scores for the backward.
-  The flash varlen kernel has neither, so packed rows of such models take transformers' packed-sequence mask
-  instead (packed_rows.py); the written-out layers (packed_layers.py) take sinks over that kernel and soft caps
-  on explicit kernels that keep no scores for the backward (beyond_flash.py).
+  The flash varlen kernel has neither: packed rows of such models take sinks over that kernel with a correction
+  and soft caps on explicit kernels that keep no scores for the backward (beyond_flash.py), by the rows' bounds,
+  through transformers' layers as through the written-out ones (packed_layers.py).
 """
 
 from __future__ import annotations
@@ -20,16 +20,13 @@ import inspect
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from localtinker.engine.beyond_flash import attention_beyond_flash
 
-from localtinker.engine.packed_layout import segment_visibility
-
-if TYPE_CHECKING:
-    from localtinker.engine.packed_layout import PackedLayout
+from localtinker.engine.packed_layout import PackedLayout, segment_visibility
 
 NAME = "localtinker_portable"
 _varlen_rows: ContextVar[bool] = ContextVar("localtinker_varlen_rows", default=False)
@@ -78,11 +75,13 @@ def portable_attention(
 ) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if _varlen_rows.get() and kwargs.get("cu_seq_lens_q") is not None:  # packed rows, no mask
+        if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+            return _packed_beyond_flash(query, key, value, kwargs), None
+        return _varlen_attention(query, key, value, kwargs), None
     beyond = beyond_sdpa(query, key, value, attention_mask, kwargs)
     if beyond is not None:
         return beyond, None
-    if _varlen_rows.get() and kwargs.get("cu_seq_lens_q") is not None:
-        return _varlen_attention(query, key, value, kwargs), None
     kwargs = {k: v for k, v in kwargs.items() if k not in ("softcap", "sliding_window", "s_aux")}
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0], None
 
@@ -180,6 +179,20 @@ def _varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     cu = kwargs["cu_seq_lens_q"]
     longest = int(kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max()))
     return _varlen_core(q, k, v, cu, longest, kwargs.get("scaling"), kwargs.get("sliding_window"))[None]
+
+
+def _packed_beyond_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         kwargs: dict[str, Any]) -> torch.Tensor:
+    """Packed rows [1, heads, tokens, d] with sinks (``s_aux``) or a soft cap through beyond_flash.py: the flash
+    kernel with the sinks' correction, or explicit kernels, by the rows' bounds (no [tokens × tokens] mask);
+    returns [1, tokens, heads, d]."""
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [tokens, heads, d]
+    cu = kwargs["cu_seq_lens_q"]
+    lengths = tuple((cu[1:] - cu[:-1]).tolist())
+    scaling = kwargs.get("scaling") or q.shape[-1] ** -0.5
+    flash = varlen_available(q.device) and q.dtype in (torch.bfloat16, torch.float16)
+    return attention_beyond_flash(q, k, v, PackedLayout(cu, cu, lengths, lengths), scaling, kwargs.get("sliding_window"),
+                                  kwargs.get("s_aux"), kwargs.get("softcap"), flash)[None]
 
 
 def _varlen_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,

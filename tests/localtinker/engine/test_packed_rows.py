@@ -30,13 +30,15 @@ def test_the_gpu_budget_counts_each_expert_a_token_goes_through(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
-def test_packed_rows_take_flash_varlen_on_cuda_in_half_dtypes_without_caps_or_sinks(family):
-    """flash varlen (on a CUDA device: the decision reads only its type) takes bf16/fp16 rows of a model without a
-    soft cap on its attention scores (Gemma 2) or attention sinks (gpt-oss), which the kernel lacks; never float32
-    (flash has none) nor the CPU."""
+def test_packed_rows_go_by_their_bounds_on_flash_in_half_dtypes_and_with_sinks_or_caps_anywhere(family):
+    """Without a [tokens × tokens] mask: a plain model's rows through flash varlen (on a CUDA device: the decision
+    reads only its type) in bf16/fp16, never float32 (flash has none) nor on the CPU; rows of a model with a soft
+    cap on its scores (Gemma 2) or attention sinks (gpt-oss) through beyond_flash.py, on any device and dtype."""
     model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert not takes_varlen(model.get_decoder(), cuda)
+    beyond = family != "llama"
+    assert takes_varlen(model.get_decoder(), cuda) == beyond
+    assert takes_varlen(model.get_decoder(), cpu) == beyond
     model.to(torch.bfloat16)
-    assert takes_varlen(model.get_decoder(), cuda) == (family == "llama")
-    assert not takes_varlen(model.get_decoder(), cpu)
+    assert takes_varlen(model.get_decoder(), cuda)
+    assert takes_varlen(model.get_decoder(), cpu) == beyond
