@@ -25,7 +25,6 @@ from typing import Any, Iterator
 import torch
 
 from localtinker.engine.beyond_flash import attention_beyond_flash
-
 from localtinker.engine.packed_layout import PackedLayout, segment_visibility
 
 NAME = "localtinker_portable"
