@@ -36,6 +36,12 @@ def final_softcap(config: Any) -> float | None:
     return float(cap) if cap else None
 
 
+def attention_softcap(config: Any) -> float | None:
+    """Gemma 2's soft cap on the attention scores (``cap·tanh(s / cap)``), or None."""
+    cap = getattr(text_config(config), "attn_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
 def uses_sliding_windows(config: Any) -> bool:
     text = text_config(config)
     window = getattr(text, "sliding_window", None)
@@ -69,8 +75,7 @@ def layer_windows(config: Any) -> list[int | None]:
 
 def cpu_kernels_cover(config: Any) -> bool:
     """Whether the CPU path's tuned attention and head serve this model (no soft caps, no sliding windows)."""
-    text = text_config(config)
-    return not (final_softcap(config) or getattr(text, "attn_logit_softcapping", None) or uses_sliding_windows(config))
+    return not (final_softcap(config) or attention_softcap(config) or uses_sliding_windows(config))
 
 
 def load_options(config: Any) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from localtinker.engine.decode_layer import (
     norm_weight, post_attention, pre_attention, rotation, sandwich_post_attention,
 )
 from localtinker.engine.expert_lora import adapters_of
-from localtinker.engine.families import layer_windows, text_config
+from localtinker.engine.families import attention_softcap, layer_windows
 from localtinker.engine.packed_layout import PackedLayout
 from localtinker.engine.portable_attention import packed_causal_attention
 from localtinker.engine.static_decode import (
@@ -224,7 +224,7 @@ class PackedLayers:
         # Gemma 3: four norms of weight 1 + w per layer, a GELU gate, each layer type rotated by its own frequencies
         self.sandwich = self.shape.sandwich
         self.rotations = layer_rotations(model)
-        self.attention_softcap = getattr(text_config(model.config), "attn_logit_softcapping", None) or None  # Gemma 2
+        self.attention_softcap = attention_softcap(model.config)  # Gemma 2
         by_default, why_not = compile_by_default(self.device, TRAIN_COMPILE_ENV)
         self.compiled = by_default if compiled is None else compiled
         self.compile_error: str | None = None if self.compiled else why_not

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from localtinker.engine.families import attention_softcap
 from localtinker.engine.packed_layout import PackedBatch, packed_batches
 from localtinker.engine.portable_attention import varlen_available, varlen_rows
 from localtinker.engine.prefix_sharing import TokenRows
@@ -64,8 +65,7 @@ def takes_varlen(decoder: torch.nn.Module, device: torch.device) -> bool:
     the flash varlen kernel on a CUDA device in bf16/fp16 (flash has no float32); with attention sinks (gpt-oss)
     or a soft cap on the scores (Gemma 2) through beyond_flash.py, on any device and dtype (its explicit kernels
     where flash cannot run)."""
-    config = decoder.config.get_text_config() if hasattr(decoder.config, "get_text_config") else decoder.config
-    if getattr(config, "attn_logit_softcapping", None) or has_attention_sinks(decoder):
+    if attention_softcap(decoder.config) or has_attention_sinks(decoder):
         return True
     return varlen_available(device) and next(decoder.parameters()).dtype in (torch.bfloat16, torch.float16)
 
@@ -103,7 +103,7 @@ def packed_rows(decoder: torch.nn.Module, batch: PackedBatch, device: torch.devi
         if not varlen and _masks_ignore_positions(type(decoder)):
             embeds = decoder.embed_tokens(input_ids[None])
             inputs = {"inputs_embeds": embeds, "attention_mask": packed_masks(decoder, embeds, position_ids[None])}
-        with varlen_rows(varlen):
+        with varlen_rows(layout if varlen else None):
             hidden = decoder(
                 **inputs, position_ids=position_ids[None], use_cache=False, cu_seq_lens_q=layout.cu_q,
                 cu_seq_lens_k=layout.cu_k, max_length_q=layout.max_q, max_length_k=layout.max_k,

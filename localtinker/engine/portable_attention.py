@@ -28,7 +28,8 @@ from localtinker.engine.beyond_flash import attention_beyond_flash
 from localtinker.engine.packed_layout import PackedLayout, segment_visibility
 
 NAME = "localtinker_portable"
-_varlen_rows: ContextVar[bool] = ContextVar("localtinker_varlen_rows", default=False)
+# the packed micro-batch whose rows transformers' layers take by their bounds, with no mask (see varlen_rows)
+_varlen_rows: ContextVar[PackedLayout | None] = ContextVar("localtinker_varlen_rows", default=None)
 _registered = False
 
 
@@ -46,9 +47,10 @@ def use_portable_attention(model: torch.nn.Module) -> None:
 
 
 @contextmanager
-def varlen_rows(enabled: bool) -> Iterator[None]:
-    """Within the block, packed rows run through the varlen kernel and transformers builds no mask for them."""
-    token = _varlen_rows.set(enabled)
+def varlen_rows(layout: PackedLayout | None) -> Iterator[None]:
+    """Within the block, the packed rows of ``layout`` (None: none) run by its bounds — the varlen kernel, or
+    beyond_flash.py for sinks and soft caps — and transformers builds no mask for them."""
+    token = _varlen_rows.set(layout)
     try:
         yield
     finally:
@@ -63,8 +65,8 @@ def varlen_available(device: torch.device) -> bool:
 def _portable_mask(*args: Any, **kwargs: Any) -> Any:
     from transformers.masking_utils import sdpa_mask
 
-    if _varlen_rows.get():
-        return None  # the varlen kernel takes the rows' boundaries instead
+    if _varlen_rows.get() is not None:
+        return None  # the rows go by their bounds instead
     return sdpa_mask(*args, **kwargs)
 
 
@@ -74,9 +76,10 @@ def portable_attention(
 ) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if _varlen_rows.get() and kwargs.get("cu_seq_lens_q") is not None:  # packed rows, no mask
+    layout = _varlen_rows.get()
+    if layout is not None and kwargs.get("cu_seq_lens_q") is not None:  # packed rows, no mask
         if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-            return _packed_beyond_flash(query, key, value, kwargs), None
+            return _packed_beyond_flash(query, key, value, layout, kwargs), None
         return _varlen_attention(query, key, value, kwargs), None
     beyond = beyond_sdpa(query, key, value, attention_mask, kwargs)
     if beyond is not None:
@@ -180,18 +183,16 @@ def _varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return _varlen_core(q, k, v, cu, longest, kwargs.get("scaling"), kwargs.get("sliding_window"))[None]
 
 
-def _packed_beyond_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _packed_beyond_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: PackedLayout,
                          kwargs: dict[str, Any]) -> torch.Tensor:
-    """Packed rows [1, heads, tokens, d] with sinks (``s_aux``) or a soft cap through beyond_flash.py: the flash
-    kernel with the sinks' correction, or explicit kernels, by the rows' bounds (no [tokens × tokens] mask);
-    returns [1, tokens, heads, d]."""
+    """Packed rows [1, heads, tokens, d] of ``layout`` with sinks (``s_aux``) or a soft cap through beyond_flash.py:
+    the flash kernel with the sinks' correction, or explicit kernels, by the rows' bounds (no [tokens × tokens]
+    mask); returns [1, tokens, heads, d]."""
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [tokens, heads, d]
-    cu = kwargs["cu_seq_lens_q"]
-    lengths = tuple((cu[1:] - cu[:-1]).tolist())
     scaling = kwargs.get("scaling") or q.shape[-1] ** -0.5
     flash = varlen_available(q.device) and q.dtype in (torch.bfloat16, torch.float16)
-    return attention_beyond_flash(q, k, v, PackedLayout(cu, cu, lengths, lengths), scaling, kwargs.get("sliding_window"),
-                                  kwargs.get("s_aux"), kwargs.get("softcap"), flash)[None]
+    return attention_beyond_flash(q, k, v, layout, scaling, kwargs.get("sliding_window"), kwargs.get("s_aux"),
+                                  kwargs.get("softcap"), flash)[None]
 
 
 def _varlen_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,

@@ -33,7 +33,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -47,8 +47,8 @@ from localtinker.engine.decode_layer import (
     norm_weight, pieces, post_attention, pre_attention, project, rms, rotation, sandwich_post_attention,
 )
 from localtinker.engine.expert_lora import adapters_of, grouped_possible, unsupported
-from localtinker.engine.families import architecture, final_softcap, layer_windows, text_config
-from localtinker.engine.packed_layout import PackedLayout
+from localtinker.engine.families import architecture, attention_softcap, final_softcap, layer_windows, text_config
+from localtinker.engine.packed_layout import PackedLayout, segment_visibility
 from localtinker.engine.portable_attention import explicit_attention, packed_causal_attention
 from localtinker.engine.token_choice import choose_in_step
 
@@ -124,9 +124,7 @@ def _prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
     outputs, start = [], 0
     for n in lengths:
         queries, keys, values = (t[start : start + n].transpose(0, 1)[None] for t in (q, k, v))
-        visible = torch.ones((n, n), dtype=torch.bool, device=q.device).tril()
-        if window:
-            visible &= ~torch.ones((n, n), dtype=torch.bool, device=q.device).tril(-window)
+        visible = segment_visibility(n, n, window, q.device)
         outputs.append(explicit_attention(queries, keys, values, visible[None, None], scale, softcap,
                                           None if sinks is None else sinks.reshape(-1))[0])
         start += n
@@ -429,7 +427,7 @@ class StaticDecoder:
         # frequencies (one table per layer type)
         self.sandwich = self.shape.sandwich
         self.softcap = final_softcap(model.config)
-        self.attention_softcap = getattr(text_config(model.config), "attn_logit_softcapping", None) or None
+        self.attention_softcap = attention_softcap(model.config)
         self.rotations = layer_rotations(model)
         self._tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         self.sdpa_attention = (os.environ.get(ATTENTION_ENV) == "sdpa" and not any(self.windows)
@@ -564,7 +562,7 @@ class StaticDecoder:
         x = self.embed(tokens)
         for part, moe, keys, values, window, sinks, kind in zip(
                 self._layer_parts, self.moe, self.keys, self.values, self.windows, self.sinks, self.rotations):
-            norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down, pre_mlp_norm, post_mlp_norm = part
+            norm, qkv, q_norm, k_norm = part[:4]
             q, k, v = pre_attention(x, norm, qkv, q_norm, k_norm, *tables[kind], shape.heads, shape.kv_heads, shape.eps,
                                     shape.qk_eps, self.sandwich)
             keys.index_put_(index, k[row_of])
@@ -575,14 +573,7 @@ class StaticDecoder:
             else:
                 out = _prompt_attention(q, k, v, lengths, shape.scale, window, sinks, self.attention_softcap)
             out = out.reshape(len(positions), shape.heads * shape.head_dim)
-            if self.sandwich:
-                x = sandwich_post_attention(out, x, o_proj, post_norm, pre_mlp_norm, gate_up, down, post_mlp_norm,
-                                            shape.eps)
-            elif moe is None:
-                x = post_attention(out, x, o_proj, post_norm, gate_up, down, shape.eps)
-            else:
-                x, normed = attention_residual(out, x, o_proj, post_norm, shape.eps)
-                x = x + run_moe_block(moe, normed)
+            x = self._after_attention(out, x, part, moe, (post_attention, attention_residual, sandwich_post_attention))
         return rms(x, self.norm.weight, shape.eps, self.sandwich)
 
     @torch.inference_mode()
@@ -679,6 +670,21 @@ class StaticDecoder:
         self.positions[:rows] += live.long()
         return logits
 
+    def _after_attention(self, out: torch.Tensor, x: torch.Tensor, part: tuple, moe: torch.nn.Module | None,
+                         functions: tuple[Callable, Callable, Callable]) -> torch.Tensor:
+        """The rest of a layer after its attention ``out``, by its shape: Gemma's norms around o_proj and the MLP,
+        an MoE layer's o_proj then its block (as a module), else o_proj and the MLP. ``functions``: decode_layer's
+        post_attention, attention_residual and sandwich_post_attention (the compiled ones in a step)."""
+        post, residual, sandwich = functions
+        o_proj, post_norm, gate_up, down, pre_mlp_norm, post_mlp_norm = part[4:]
+        eps = self.shape.eps
+        if self.sandwich:
+            return sandwich(out, x, o_proj, post_norm, pre_mlp_norm, gate_up, down, post_mlp_norm, eps)
+        if moe is None:
+            return post(out, x, o_proj, post_norm, gate_up, down, eps)
+        x, normed = residual(out, x, o_proj, post_norm, eps)
+        return x + run_moe_block(moe, normed)
+
     def _forward(self, rows: int, columns: int) -> torch.Tensor:
         shape = self.shape
         tokens, positions = self.tokens[:rows], self.positions[:rows]
@@ -701,7 +707,7 @@ class StaticDecoder:
         with _sdpa_backend(self.sdpa_attention and self.device.type == "cuda"):
             for part, moe, keys, values, window, sinks, kind in zip(
                     self._layer_parts, self.moe, self.keys, self.values, self.windows, self.sinks, self.rotations):
-                norm, qkv, q_norm, k_norm, o_proj, post_norm, gate_up, down, pre_mlp_norm, post_mlp_norm = part
+                norm, qkv, q_norm, k_norm = part[:4]
                 q = pre_attention(x, norm, qkv, q_norm, k_norm, *tables[kind], shape.heads, shape.kv_heads,
                                   shape.eps, shape.qk_eps, keys, values, index, self.sandwich)
                 keys, values = keys[:rows, :, :columns], values[:rows, :, :columns]
@@ -713,14 +719,8 @@ class StaticDecoder:
                                                 self.attention_softcap)
                     out = torch.matmul(weights, values)  # [rows, kv heads, group, dim]
                 out = out.reshape(rows, shape.heads * shape.head_dim)
-                if self.sandwich:
-                    x = sandwich_post_attention(out, x, o_proj, post_norm, pre_mlp_norm, gate_up, down,
-                                                post_mlp_norm, shape.eps)
-                elif moe is None:
-                    x = post_attention(out, x, o_proj, post_norm, gate_up, down, shape.eps)
-                else:
-                    x, normed = attention_residual(out, x, o_proj, post_norm, shape.eps)
-                    x = x + run_moe_block(moe, normed)
+                x = self._after_attention(out, x, part, moe, (post_attention, attention_residual,
+                                                              sandwich_post_attention))
         logits = project(rms(x, self.norm.weight, shape.eps, self.sandwich), self.head.parts()).float()
         # Gemma's final soft cap, on the float32 logits as chunked_logprobs.output_logits applies it
         return logits if not self.softcap else torch.tanh(logits / self.softcap) * self.softcap

@@ -144,3 +144,17 @@ def test_a_flash_kernel_that_fails_as_called_leaves_the_explicit_kernels_with_a_
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
     beyond_flash.attention_beyond_flash(q, k, v, layout, SCALE, None, sinks, None, flash=True)
     assert calls == [1] and beyond_flash._flash_error.startswith("RuntimeError")
+
+
+def test_a_log_normaliser_padded_per_segment_is_read_token_by_token():
+    """An older flash kernel gives ``lse`` as [segments, heads, longest]; each packed token takes its segment's
+    row at its offset in it (a recent one's [heads, tokens] passes through)."""
+    from localtinker.engine.beyond_flash import _Flash
+
+    layout = PackedLayout.rows([3, 5, 2], CPU)
+    padded = torch.arange(3 * HEADS * 5, dtype=torch.float32).reshape(3, HEADS, 5)
+    by_token = _Flash(layout, SCALE, None)._by_token(padded, 10)
+    expected = torch.stack([padded[segment, :, offset] for segment, n in enumerate((3, 5, 2))
+                            for offset in range(n)], 1)
+    assert torch.equal(by_token, expected) and by_token.shape == (HEADS, 10)
+    assert _Flash(layout, SCALE, None)._by_token(expected, 10) is expected
