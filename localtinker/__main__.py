@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     serve.add_argument(
         "--dtype", choices=(*DTYPES, "auto"), default="auto",
-        help="weights' precision (default auto: bfloat16 on a GPU, float32 on the CPU)",
+        help="weights' precision (default auto: bfloat16 on a GPU from sm80, float32 on the CPU and older GPUs)",
     )
     serve.add_argument(
         "--device",
@@ -51,9 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     if args.dtype == "auto":
-        from localtinker.engine.device import resolve_device
+        from localtinker.engine.device import default_dtype, resolve_device
 
-        args.dtype = "float32" if resolve_device(args.device).type == "cpu" else "bfloat16"
+        args.dtype = default_dtype(resolve_device(args.device))
     return args
 
 
@@ -71,8 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     sock = bind_socket(args.host, args.port)
     engine = build_engine(storage, args.dtype, args.threads, device=args.device)
     service = LocalTinkerService(engine, storage, config)
-    print(f"localtinker serving http://{args.host}:{sock.getsockname()[1]} (storage {storage}, {engine.device}, "
-          f"{engine.dtype})", flush=True)
+    from localtinker.engine.device import card_summary
+
+    card = card_summary(engine.device)
+    print(f"localtinker serving http://{args.host}:{sock.getsockname()[1]} (storage {storage}, {engine.device}"
+          f"{f' = {card}' if card else ''}, {engine.dtype})", flush=True)
     try:
         uvicorn.Server(uvicorn_config(service.build_app(), args.log_level)).run(sockets=[sock])
     finally:

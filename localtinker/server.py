@@ -33,15 +33,18 @@ def build_engine(storage_dir: Path, dtype: str | None = "float32", num_threads: 
     """The real torch engine; imported lazily so the protocol layer loads without torch.
 
     ``device``: auto | cpu | cuda[:N]; None = ``$LOCALTINKER_DEVICE``, else auto (a CUDA GPU when torch sees
-    one). ``dtype`` None or ``"auto"``: bfloat16 on a GPU, float32 on the CPU."""
+    one). ``dtype`` None or ``"auto"``: bfloat16 on a GPU with native bf16 (sm80 on), else float32 (device.py)."""
     if dtype not in (*DTYPES, "auto", None):
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)} or auto")
-    from localtinker.engine.device import resolve_device
+    from localtinker.engine.device import default_dtype, dtype_warning, resolve_device
     from localtinker.engine.engine import LocalEngine
 
     resolved = resolve_device(device)
     if dtype in ("auto", None):
-        dtype = "float32" if resolved.type == "cpu" else "bfloat16"
+        dtype = default_dtype(resolved)
+    warning = dtype_warning(resolved, dtype)
+    if warning:
+        logger.warning(warning)
     return LocalEngine(Path(storage_dir), dtype=dtype, num_threads=num_threads, device=resolved)
 
 

@@ -46,7 +46,7 @@ def tinker_resource_from_env() -> TinkerResource:
         api_key=dg.EnvVar("TINKER_API_KEY") if os.environ.get("TINKER_API_KEY") else None,
         base_url=dg.EnvVar("TINKER_BASE_URL") if os.environ.get("TINKER_BASE_URL") else None,
         base_model=os.environ.get("POSTTRAIN_BASE_MODEL", DEFAULT_BASE_MODEL),
-        local_dtype=os.environ.get("LOCALTINKER_DTYPE", "auto"),  # bf16 on a GPU, float32 on the CPU
+        local_dtype=os.environ.get("LOCALTINKER_DTYPE", "auto"),  # bf16 on a GPU from sm80, else float32
     )
 
 

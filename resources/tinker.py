@@ -153,7 +153,7 @@ class TinkerResource(dg.ConfigurableResource):
         description=(
             "Precision of the embedded localtinker: float32 (exact: sampler and trainer logprobs agree; also the "
             "fastest on CPUs without AMX), bfloat16 (bf16 weights, fp32 LoRA/optimizer), or auto (bfloat16 on a "
-            "GPU, float32 on the CPU)."
+            "GPU with bf16 tensor cores, sm80 on; float32 on the CPU and older GPUs)."
         ),
     )
     local_device: str = Field(

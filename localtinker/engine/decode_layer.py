@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from localtinker.engine.device import cuda_capability, runs_triton
 from localtinker.engine.families import architecture, text_config
 
 Projection = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -242,7 +243,8 @@ def allow_recompiles(limit: int = 64) -> None:
 
 
 def compile_by_default(device: torch.device, env: str = COMPILE_ENV) -> tuple[bool, str | None]:
-    """(whether to compile, why not): on CUDA with Triton importable, unless ``$env`` is ``0``
+    """(whether to compile, why not): on a CUDA card Triton runs on (sm70 on) with Triton importable, unless
+    ``$env`` is ``0``
     (``LOCALTINKER_DECODE_COMPILE`` for the decode step). ``$env`` = ``1`` compiles on other devices too, through
     inductor's C++ code: nothing a CPU user gains (its own path is tuned), but how ``bench_gpu.py --smoke`` runs
     the compiled parts of the GPU bench before a GPU does."""
@@ -253,4 +255,7 @@ def compile_by_default(device: torch.device, env: str = COMPILE_ENV) -> tuple[bo
         return (True, None) if setting == "1" else (False, f"not compiled on {device.type}")
     if importlib.util.find_spec("triton") is None:
         return False, "Triton is not installed"
+    if not runs_triton(device):
+        major, minor = cuda_capability(device)
+        return False, f"Triton does not run on compute capability {major}.{minor} (it needs 7.0)"
     return True, None

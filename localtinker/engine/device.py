@@ -2,6 +2,16 @@
 
 ``auto`` (the default) takes the first CUDA GPU when torch sees one, else the CPU. The choice comes from the
 caller (``serve --device``, the Tinker resource's ``local_device``), else ``$LOCALTINKER_DEVICE``, else ``auto``.
+
+What a CUDA card can run depends on its compute capability, and the GPUs people have span several generations
+(a Colab T4 is sm75, a V100 sm70, a GTX 1080 sm61). Every CUDA-path choice that depends on the card asks here:
+
+- **native bf16** from sm80 (A100, A10, L4, RTX 30xx and newer): the default dtype there is bfloat16; older
+  cards have no bf16 tensor cores, so their default is float32 (float16 is not offered: training in it needs
+  loss scaling, and bf16-trained models overflow its range);
+- **torch's flash kernels** (packed rows by their bounds) from sm80: older cards run packed rows as one sdpa
+  call per row, the same function;
+- **Triton** (the compiled pieces) from sm70: older cards run the pieces op by op.
 """
 
 from __future__ import annotations
@@ -12,6 +22,9 @@ import torch
 
 ENV_VAR = "LOCALTINKER_DEVICE"
 CHOICES_HELP = "auto, cpu, cuda or cuda:N"
+NATIVE_BF16 = (8, 0)  # bf16 tensor cores (Ampere)
+FLASH_KERNELS = (8, 0)  # torch's FlashAttention-2 kernels, varlen included
+TRITON_KERNELS = (7, 0)  # what Triton, and so torch.compile's GPU code, runs on
 
 
 def device_setting(requested: str | None = None) -> str:
@@ -38,3 +51,54 @@ def resolve_device(requested: str | None = None) -> torch.device:
     if number >= torch.cuda.device_count():
         raise ValueError(f"device {setting!r}: this machine has {torch.cuda.device_count()} CUDA device(s).")
     return torch.device("cuda", number)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """The card's compute capability (major, minor); None off CUDA."""
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+
+
+def has_native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes in bf16 natively: the CPU (where bf16_matmul.py decides whether to use it), or a
+    CUDA card from sm80."""
+    capability = cuda_capability(device)
+    return capability is None or capability >= NATIVE_BF16
+
+
+def runs_flash_kernels(device: torch.device) -> bool:
+    """Whether torch's flash attention kernels run on ``device``: a CUDA card from sm80."""
+    capability = cuda_capability(device)
+    return capability is not None and capability >= FLASH_KERNELS
+
+
+def runs_triton(device: torch.device) -> bool:
+    """Whether Triton kernels (torch.compile's GPU code) run on ``device``: a CUDA card from sm70."""
+    capability = cuda_capability(device)
+    return capability is not None and capability >= TRITON_KERNELS
+
+
+def default_dtype(device: torch.device) -> str:
+    """The weights' dtype for ``--dtype auto``: bfloat16 on a CUDA card with native bf16, else float32 (the CPU's
+    exact default, and older cards', which would emulate bf16)."""
+    return "bfloat16" if device.type == "cuda" and has_native_bf16(device) else "float32"
+
+
+def card_summary(device: torch.device) -> str:
+    """One line on what ``device`` runs, for the server's start-up log (empty off CUDA)."""
+    capability = cuda_capability(device)
+    if capability is None:
+        return ""
+    missing = [what for what, runs in (("bf16", has_native_bf16(device)), ("flash kernels", runs_flash_kernels(device)),
+                                       ("Triton", runs_triton(device))) if not runs]
+    name = torch.cuda.get_device_name(device)
+    return f"{name}, sm{capability[0]}{capability[1]}" + (f", without {', '.join(missing)}" if missing else "")
+
+
+def dtype_warning(device: torch.device, dtype: str) -> str | None:
+    """Why ``dtype`` on ``device`` is a poor choice, or None: bfloat16 on a CUDA card without native bf16."""
+    if dtype == "bfloat16" and device.type == "cuda" and not has_native_bf16(device):
+        major, minor = cuda_capability(device)
+        return (f"dtype bfloat16 on a card of compute capability {major}.{minor}, which has no bf16 tensor cores (they "
+                "start at 8.0): bf16 runs emulated there, and some kernels refuse it; --dtype float32, this card's "
+                "default, is the safe choice")
+    return None

@@ -39,6 +39,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from localtinker.engine.device import has_native_bf16
+
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # in the order the experts modules register them
 PROJECTIONS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}  # adapted -> holder
 _FORWARDS = (["hidden_states", "top_k_index", "top_k_weights"], ["hidden_states", "router_indices", "routing_weights"])
@@ -293,11 +295,12 @@ class _Groups:
 
 def grouped_possible(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether expert products in ``dtype`` may run as grouped GEMMs on ``device``: torch has them, the CPU or a
-    CUDA card from sm80 in a half dtype (the dtypes its grouped kernels are known for), none failed here."""
+    CUDA card with bf16 tensor cores (sm80 on, device.py) in a half dtype (the dtypes its grouped kernels are known
+    for), none failed here."""
     if not GROUPED or device.type in _grouped_failed or not hasattr(F, "grouped_mm"):
         return False
     if device.type == "cuda":
-        return dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(device) >= (8, 0)
+        return dtype in (torch.bfloat16, torch.float16) and has_native_bf16(device)
     return device.type == "cpu"
 
 

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from localtinker.engine.beyond_flash import attention_beyond_flash
+from localtinker.engine.device import runs_flash_kernels
 from localtinker.engine.packed_layout import PackedLayout, segment_visibility
 
 NAME = "localtinker_portable"
@@ -58,8 +59,9 @@ def varlen_rows(layout: PackedLayout | None) -> Iterator[None]:
 
 
 def varlen_available(device: torch.device) -> bool:
-    """Whether packed rows on ``device`` can take the flash varlen kernel."""
-    return device.type == "cuda" and _varlen_function() is not None
+    """Whether packed rows on ``device`` can take the flash varlen kernel: a CUDA card that runs flash kernels
+    (device.py: sm80 on) and a torch that has it."""
+    return runs_flash_kernels(device) and _varlen_function() is not None
 
 
 def _portable_mask(*args: Any, **kwargs: Any) -> Any:

@@ -63,25 +63,31 @@ def test_bf16_weights_stay_bf16_on_the_device(cuda_bf16):
 
 
 def test_bf16_trainer_matches_the_models_own_forward(cuda_bf16):
+    _assert_bf16_trainer_is_the_models_own_forward(cuda_bf16, "cuda:train:hf")
+
+
+def _assert_bf16_trainer_is_the_models_own_forward(engine: LocalEngine, model_id: str) -> None:
+    """A new adapter (random B) on the tiny Llama: the trainer's logprobs of 300 tokens against transformers +
+    peft's forward in bf16, within bf16 rounding."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from localtinker.engine.lora import LORA_ALPHA, target_module_names
 
     lora = LoraSpec(rank=4, seed=0)
-    cuda_bf16.create_model("cuda:train:hf", str(family_dir("llama")), lora)
-    _random_b(cuda_bf16, "cuda:train:hf")
+    engine.create_model(model_id, str(family_dir("llama")), lora)
+    _random_b(engine, model_id)
     reference = get_peft_model(
         AutoModelForCausalLM.from_pretrained(family_dir("llama"), dtype=torch.bfloat16).cuda(),
         LoraConfig(r=4, lora_alpha=LORA_ALPHA, target_modules=target_module_names(lora)),
     )
     named = dict(reference.named_parameters())
     with torch.no_grad():
-        for key, value in cuda_bf16.lora_weights("cuda:train:hf").items():
+        for key, value in engine.lora_weights(model_id).items():
             module, _, kind = key.rpartition(".")
             named[f"base_model.model.{module}.{kind}.default.weight"].copy_(value)
     tokens = np.random.default_rng(5).integers(0, 49152, size=300)
-    ours = _trainer(cuda_bf16, "cuda:train:hf", tokens)
+    ours = _trainer(engine, model_id, tokens)
     with torch.no_grad():
         logits = reference(input_ids=torch.as_tensor(tokens[:-1], device="cuda")[None]).logits[0].float()
     expected = logits.log_softmax(-1).gather(-1, torch.as_tensor(tokens[1:], device="cuda")[:, None]).squeeze(-1).cpu()
@@ -97,6 +103,25 @@ def test_bf16_sampler_matches_the_trainer(cuda_bf16):
                         stop_token_ids=()) for i in range(4)]
     results = cuda_bf16.sample_batch([("cuda-sampler", spec) for spec in specs])
     _assert_bf16_sampler_is_the_trainer(cuda_bf16, "cuda:train:sample", specs, results)
+
+
+def test_a_card_without_flash_kernels_trains_and_samples_in_bf16_through_sdpa(tmp_path, monkeypatch):
+    """A card older than sm80 (a T4, a V100) has no flash kernels: packed rows and shared prompts go through sdpa
+    one row at a time, prompts prefill the same way. Faked on this card by its flash rule alone (faking its compute
+    capability would have Triton compile for the wrong card), with ``--dtype bfloat16`` as a user may ask: the
+    trainer is the model's own forward and the sampler the trainer, as on flash."""
+    from localtinker.engine import portable_attention
+
+    monkeypatch.setattr(portable_attention, "runs_flash_kernels", lambda device: False)
+    engine = LocalEngine(tmp_path, dtype="bfloat16", device="cuda")
+    assert not portable_attention.varlen_available(engine.device)
+    _assert_bf16_trainer_is_the_models_own_forward(engine, "cuda:noflash:hf")
+    assert not takes_varlen(engine._hosts[str(family_dir("llama"))].base.model.get_decoder(), engine.device)
+    engine.create_ephemeral_sampler("noflash-sampler", "cuda:noflash:hf")
+    specs = [SampleSpec(prompt_tokens=tuple(range(100 + 7 * i, 120 + 9 * i)), num_samples=4, max_tokens=24, seed=i,
+                        stop_token_ids=()) for i in range(3)]
+    results = engine.sample_batch([("noflash-sampler", spec) for spec in specs])
+    _assert_bf16_sampler_is_the_trainer(engine, "cuda:noflash:hf", specs, results)
 
 
 def _assert_bf16_sampler_is_the_trainer(engine: LocalEngine, model_id: str, specs: list, results: list) -> None:

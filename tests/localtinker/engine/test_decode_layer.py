@@ -26,6 +26,7 @@ def test_pieces_compile_on_cuda_with_triton_and_say_why_not_elsewhere(monkeypatc
         return real_find_spec(name, *args)
 
     monkeypatch.setattr(decode_layer.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # (older: test_device.py)
     monkeypatch.delenv(env, raising=False)
     cuda = torch.device("cuda", 0)
     assert compile_by_default(cuda, env) == (True, None)

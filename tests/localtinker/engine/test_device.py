@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+
 import pytest
 import torch
 
-from localtinker.engine.device import resolve_device
+from localtinker.__main__ import parse_args
+from localtinker.engine import decode_layer
+from localtinker.engine.decode_layer import TRAIN_COMPILE_ENV, compile_by_default
+from localtinker.engine.device import card_summary, default_dtype, dtype_warning, resolve_device
+from localtinker.engine.expert_lora import grouped_possible
+from localtinker.engine.portable_attention import varlen_available
 from localtinker.server import build_engine
 
 
@@ -51,3 +59,66 @@ def test_cuda_devices_resolve_by_number_on_a_machine_with_two(monkeypatch: pytes
         resolve_device("cuda:2")
     with pytest.raises(ValueError, match="'cuda:x' is not one of"):
         resolve_device("cuda:x")
+
+
+CARDS = [  # (name, compute capability, default dtype, flash kernels, Triton)
+    ("NVIDIA H100 80GB HBM3", (9, 0), "bfloat16", True, True),
+    ("NVIDIA GeForce RTX 3090", (8, 6), "bfloat16", True, True),
+    ("NVIDIA A100-SXM4-80GB", (8, 0), "bfloat16", True, True),
+    ("Tesla T4", (7, 5), "float32", False, True),
+    ("Tesla V100-SXM2-32GB", (7, 0), "float32", False, True),
+    ("NVIDIA GeForce GTX 1080", (6, 1), "float32", False, False),
+]
+
+
+def _fake_card(monkeypatch: pytest.MonkeyPatch, name: str, capability: tuple[int, int]) -> torch.device:
+    """A machine with one CUDA card of ``capability`` (faked: the decisions read no more than these)."""
+    monkeypatch.delenv("LOCALTINKER_DEVICE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    return torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(("name", "capability", "dtype", "flash", "triton"), CARDS, ids=[c[0] for c in CARDS])
+def test_each_card_generation_gets_the_dtype_and_kernels_it_runs(monkeypatch, tmp_path, name, capability, dtype,
+                                                                  flash, triton) -> None:
+    """bf16 by default only where the card has bf16 tensor cores (sm80 on); packed rows take the flash varlen
+    kernel only where torch's flash kernels run (sm80 on), else sdpa per row; the pieces compile only where Triton
+    runs (sm70 on), else say why. The CLI, the resource's embedded server and grouped expert GEMMs follow."""
+    cuda = _fake_card(monkeypatch, name, capability)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(decode_layer.importlib.util, "find_spec",  # Triton "installed"
+                        lambda module, *args: object() if module == "triton" else real_find_spec(module, *args))
+    monkeypatch.delenv(TRAIN_COMPILE_ENV, raising=False)
+    assert default_dtype(cuda) == dtype
+    assert parse_args(["serve", "--storage", str(tmp_path), "--device", "cuda"]).dtype == dtype
+    assert build_engine(tmp_path, dtype="auto", device="cuda").dtype == dtype
+    assert varlen_available(cuda) is flash
+    assert grouped_possible(cuda, torch.bfloat16) is (dtype == "bfloat16")
+    compiled, why_not = compile_by_default(cuda, TRAIN_COMPILE_ENV)
+    assert compiled is triton
+    assert why_not is None if triton else why_not == "Triton does not run on compute capability 6.1 (it needs 7.0)"
+    summary = card_summary(cuda)
+    assert summary.startswith(f"{name}, sm{capability[0]}{capability[1]}")
+    assert ("without" in summary) is (dtype == "float32")
+    assert ("Triton" in summary) is not triton
+
+
+def test_bf16_asked_for_on_a_card_without_bf16_tensor_cores_is_allowed_with_a_warning(monkeypatch, tmp_path,
+                                                                                      caplog) -> None:
+    _fake_card(monkeypatch, "Tesla T4", (7, 5))
+    with caplog.at_level(logging.WARNING, logger="localtinker"):
+        engine = build_engine(tmp_path, dtype="bfloat16", device="cuda")
+    assert engine.dtype == "bfloat16"
+    assert "compute capability 7.5, which has no bf16 tensor cores" in caplog.text
+    assert "--dtype float32" in caplog.text
+    caplog.clear()
+    _fake_card(monkeypatch, "NVIDIA A100-SXM4-80GB", (8, 0))
+    with caplog.at_level(logging.WARNING, logger="localtinker"):
+        build_engine(tmp_path / "a100", dtype="bfloat16", device="cuda")
+    assert "tensor cores" not in caplog.text
+    assert dtype_warning(torch.device("cpu"), "bfloat16") is None
+    assert card_summary(torch.device("cpu")) == ""

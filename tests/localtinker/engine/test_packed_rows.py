@@ -30,10 +30,13 @@ def test_the_gpu_budget_counts_each_expert_a_token_goes_through(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
-def test_packed_rows_go_by_their_bounds_on_flash_in_half_dtypes_and_with_sinks_or_caps_anywhere(family):
-    """Without a [tokens × tokens] mask: a plain model's rows through flash varlen (on a CUDA device: the decision
-    reads only its type) in bf16/fp16, never float32 (flash has none) nor on the CPU; rows of a model with a soft
-    cap on its scores (Gemma 2) or attention sinks (gpt-oss) through beyond_flash.py, on any device and dtype."""
+def test_packed_rows_go_by_their_bounds_on_flash_in_half_dtypes_and_with_sinks_or_caps_anywhere(family, monkeypatch):
+    """Without a [tokens × tokens] mask: a plain model's rows through flash varlen (on a CUDA card from sm80: the
+    decision reads the device's type and the card's compute capability, faked here) in bf16/fp16, never float32
+    (flash has none), on an older card or on the CPU; rows of a model with a soft cap on its scores (Gemma 2) or
+    attention sinks (gpt-oss) through beyond_flash.py, on any device and dtype."""
+    capability = {"now": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["now"])
     model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     beyond = family != "llama"
@@ -42,3 +45,5 @@ def test_packed_rows_go_by_their_bounds_on_flash_in_half_dtypes_and_with_sinks_o
     model.to(torch.bfloat16)
     assert takes_varlen(model.get_decoder(), cuda)
     assert takes_varlen(model.get_decoder(), cpu) == beyond
+    capability["now"] = (7, 5)  # a T4: no flash kernels
+    assert takes_varlen(model.get_decoder(), cuda) == beyond
