@@ -17,6 +17,10 @@ What a CUDA card can run depends on its compute capability, and the GPUs people 
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from types import TracebackType
 
 import torch
 
@@ -102,3 +106,45 @@ def dtype_warning(device: torch.device, dtype: str) -> str | None:
                 "start at 8.0): bf16 runs emulated there, and some kernels refuse it; --dtype float32, this card's "
                 "default, is the safe choice")
     return None
+
+
+@contextmanager
+def device_scope(device: torch.device) -> Iterator[None]:
+    """Within the block, ``device`` is the thread's current CUDA device (a no-op off CUDA). CUDA's current device
+    is per thread, and each new thread starts on card 0: the protocol's worker thread, a caller's own. What takes
+    the current device rather than its tensors' — a CUDA graph's capture stream, an event's ``record()``, a new
+    stream — would otherwise go to card 0 while an engine on ``cuda:1`` computes on card 1: a decode graph
+    capturing nothing of its step, a wait on sampled tokens returning before they are copied."""
+    if device.type != "cuda":
+        yield
+        return
+    previous = torch.cuda.current_device()
+    torch.cuda.set_device(device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_device(previous)
+
+
+class DeviceLock:
+    """The engine's re-entrant lock; holding it also holds :func:`device_scope` of the engine's device, so every
+    engine call computes with its card current, from whichever thread it comes."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._lock = threading.RLock()
+        self._scopes: list[AbstractContextManager] = []  # one per nested entry (only the holder enters)
+
+    def __enter__(self) -> DeviceLock:
+        self._lock.acquire()
+        scope = device_scope(self.device)
+        scope.__enter__()
+        self._scopes.append(scope)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            self._scopes.pop().__exit__(exc_type, exc, tb)
+        finally:
+            self._lock.release()

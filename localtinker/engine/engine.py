@@ -20,7 +20,6 @@ in float32 elsewhere (see models.py and README.md in this directory).
 from __future__ import annotations
 
 import itertools
-import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -47,6 +46,7 @@ from localtinker.engine.checkpoints import CheckpointStore, LoadedCheckpoint, pa
 from localtinker.engine.chunked_logprobs import chunked_token_logprobs
 from localtinker.engine.families import architecture, context_length, final_softcap
 from localtinker.engine.datums import PreparedDatum, prepare_datums
+from localtinker.engine.device import DeviceLock, device_scope, resolve_device
 from localtinker.engine.heap import keep_freed_memory
 from localtinker.engine.logprobs import token_logprobs_tracking
 from localtinker.engine.lora import AdapterHost, validate_lora_spec
@@ -156,8 +156,6 @@ class LocalEngine:
         on a GPU); None = on CUDA devices only. ``train_layers``: the portable trainer runs the Llama-shaped
         families' layers as written-out pieces (packed_layers.py; compiled on a GPU); None = on CUDA devices
         unless ``LOCALTINKER_TRAIN_LAYERS=0``."""
-        from localtinker.engine.device import resolve_device
-
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.device = device if isinstance(device, torch.device) else resolve_device(device)
@@ -175,7 +173,8 @@ class LocalEngine:
         self._hosts: dict[str, _Host] = {}
         self._models: dict[str, _TrainingModel] = {}
         self._samplers: dict[str, _Sampler] = {}
-        self._lock = threading.RLock()  # the protocol calls from one thread; this guards misuse
+        # the protocol calls from one thread; this guards misuse, and makes the engine's card current (device.py)
+        self._lock = DeviceLock(self.device)
         self._retained: RetainedForward | None = None  # the last forward's kept micro-batches (retained_forward.py)
 
     # ----- models -------------------------------------------------------------------------------
@@ -575,11 +574,12 @@ class LocalEngine:
         return f"{sampler.base_name}|{sampler.weights_key}", spec
 
     def sample_extras(self, sampler_id: str, spec: SampleSpec, extras: SampleExtrasSpec, result: SampleResult) -> SampleExtras:
-        target = self.sampling_target(sampler_id)
-        try:
-            return scoring.sample_extras(target, spec, extras, result)
-        finally:
-            target.release()
+        with self._lock:
+            target = self.sampling_target(sampler_id)
+            try:
+                return scoring.sample_extras(target, spec, extras, result)
+            finally:
+                target.release()
 
     def sampling_target(self, sampler_id: str) -> SamplingTarget:
         """The sampler's base model with its adapter resident and held (not evicted) until ``release``."""
@@ -770,7 +770,8 @@ class RoutedSampleStream:
 
     def step(self) -> list:
         """One decode step of every running request (a failure fails them all: the caller starts a new stream)."""
-        with memory_errors_named(f"sampling {self._open} requests at once", self.device, SAMPLING_REMEDY):
+        with memory_errors_named(f"sampling {self._open} requests at once", self.device, SAMPLING_REMEDY), \
+                device_scope(self.device):  # (the protocol's worker steps the stream outside the engine's lock)
             completed = self.tuned.step() if self.tuned.busy else []
             completed += self.portable.step() if self.portable.busy else []
         self._open -= len(completed)

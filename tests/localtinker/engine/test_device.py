@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import threading
 
 import pytest
 import torch
@@ -11,7 +12,9 @@ import torch
 from localtinker.__main__ import parse_args
 from localtinker.engine import decode_layer
 from localtinker.engine.decode_layer import TRAIN_COMPILE_ENV, compile_by_default
-from localtinker.engine.device import card_summary, default_dtype, dtype_warning, resolve_device
+from localtinker.engine.api import EngineUserError
+from localtinker.engine.device import DeviceLock, card_summary, default_dtype, device_scope, dtype_warning, resolve_device
+from localtinker.engine.engine import LocalEngine, RoutedSampleStream
 from localtinker.engine.expert_lora import grouped_possible
 from localtinker.engine.portable_attention import varlen_available
 from localtinker.server import build_engine
@@ -122,3 +125,72 @@ def test_bf16_asked_for_on_a_card_without_bf16_tensor_cores_is_allowed_with_a_wa
     assert "tensor cores" not in caplog.text
     assert dtype_warning(torch.device("cpu"), "bfloat16") is None
     assert card_summary(torch.device("cpu")) == ""
+
+
+def _card_switches(monkeypatch: pytest.MonkeyPatch, cards: int = 2) -> list[int]:
+    """A machine of ``cards`` cards whose current device is per thread, as CUDA's is (faked: the switch reads and
+    sets no more); returns the log of set_device calls."""
+    _fake_card(monkeypatch, "NVIDIA H100 80GB HBM3", (9, 0))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cards)
+    current = threading.local()
+    switches: list[int] = []
+
+    def set_device(device) -> None:
+        index = device.index if isinstance(device, torch.device) else device
+        switches.append(index)
+        current.index = index
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(current, "index", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    return switches
+
+
+def test_engine_calls_make_the_engines_card_current_in_whichever_thread_they_run(monkeypatch, tmp_path) -> None:
+    """CUDA's current device is per thread and starts at card 0 (the protocol's worker thread too): an engine on
+    cuda:1 makes card 1 current for each call's duration (graph captures, events and new streams take it), then
+    gives the thread back its own, also when the call fails; nested calls keep it; the CPU switches nothing."""
+    switches = _card_switches(monkeypatch)
+    engine = LocalEngine(tmp_path, dtype="bfloat16", device="cuda:1")
+    seen: dict[str, int] = {}
+
+    def call_from_a_new_thread() -> None:
+        try:
+            with engine._lock:
+                with engine._lock:  # re-entrant, as engine methods calling each other
+                    seen["nested"] = torch.cuda.current_device()
+                seen["inside"] = torch.cuda.current_device()
+            engine.forward_backward("no-such-model", [], "cross_entropy", None, False)
+        except EngineUserError as error:
+            seen["error"] = str(error)
+        seen["after"] = torch.cuda.current_device()
+
+    worker = threading.Thread(target=call_from_a_new_thread)
+    worker.start()
+    worker.join()
+    assert seen["nested"] == seen["inside"] == 1
+    assert "no-such-model" in seen["error"] and seen["after"] == 0
+    assert switches == [1, 1, 1, 0, 1, 0]  # enter, nested enter and exit, exit; the failing call's enter and exit
+    assert engine._lock._lock.acquire(blocking=False)  # released after the failure
+    engine._lock._lock.release()
+    del switches[:]
+    with DeviceLock(torch.device("cpu")), device_scope(torch.device("cpu")):
+        pass
+    assert switches == []
+
+
+def test_the_sample_streams_steps_run_with_the_engines_card_current(monkeypatch) -> None:
+    """The protocol's worker steps the engine's sample stream outside the engine's lock: the step itself makes
+    the engine's card current (a decode graph's capture, the event that the sampled tokens' copy has landed)."""
+    _card_switches(monkeypatch)
+    seen = []
+
+    class Stream:
+        busy = True
+
+        def step(self) -> list:
+            seen.append(torch.cuda.current_device())
+            return []
+
+    stream = RoutedSampleStream(Stream(), Stream(), lambda sampler_id: True, torch.device("cuda", 1))
+    stream.step()
+    assert seen == [1, 1] and torch.cuda.current_device() == 0
