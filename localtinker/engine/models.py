@@ -21,6 +21,7 @@ from localtinker.engine.bf16_matmul import bf16_matmul_is_fast
 from localtinker.engine.attention import use_engine_attention
 from localtinker.engine.families import architecture, context_length, cpu_kernels_cover, load_options
 from localtinker.engine.hub_cache import register_tokenizer
+from localtinker.engine.model_memory import check_weights_fit
 from localtinker.engine.packaged import SMOLLM2_NAME, cached_model_dir, localtinker_home, smollm2_hf_dir
 
 TINY_RANDOM_NAME = "localtinker/tiny-random"
@@ -115,6 +116,7 @@ def load_base_model(name: str, dtype: str, device: torch.device | None = None, p
         if portable is None:
             portable = device.type != "cpu" or not cpu_kernels_cover(config)
         placement = {"device_map": str(device)} if device.type != "cpu" else {}
+        check_weights_fit(name, config, DTYPES[dtype], device)  # before reading any weight (model_memory.py)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], **placement, **load_options(config))
     except OSError as error:
         raise UnknownModelError(

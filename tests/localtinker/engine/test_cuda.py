@@ -205,6 +205,20 @@ def test_running_out_of_gpu_memory_is_a_user_error_and_the_next_step_runs(tmp_pa
     engine.optim_step(model_id, AdamSpec(learning_rate=1e-3))
 
 
+def test_the_cards_room_for_a_model_counts_torchs_unused_cache():
+    """model_memory.available_bytes on the card: a freed GiB that torch's cache keeps is still room for a model."""
+    from localtinker.engine.model_memory import available_bytes
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    before, where = available_bytes(device)
+    block = torch.empty(2**30, dtype=torch.uint8, device=device)
+    held = available_bytes(device)[0]
+    del block
+    after = available_bytes(device)[0]
+    assert where.startswith(f"free on {device}") and 0 < before <= torch.cuda.mem_get_info(device)[1]
+    assert abs(before - held - 2**30) < 2**26 and abs(after - before) < 2**26, (before, held, after)
+
+
 def test_adapter_tensors_cross_to_pinned_host_memory_and_back_in_one_copy():
     """host_transfer on a GPU: a snapshot of many CUDA tensors is views of one pinned buffer per dtype, equal to
     them; copied back into CUDA tensors it lands exactly, from that buffer and from separate host tensors."""
