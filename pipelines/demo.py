@@ -24,6 +24,7 @@ from pipelines.benchmarks import BENCHMARK_JOB, refresh_leaderboard
 from posttrain.benchmarks import leaderboard as board
 from resources.mlflow_links import absolute_mlflow_url
 from resources.state import ensure_dagster_home, state_dir, state_subdir
+from resources.tinker import TinkerResource
 
 QUIET = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}  # no DEBUG event lines on the terminal
 # Two-number addition ("Calculate 43 + 12."): the base 135M model gets few right, and a few minutes of
@@ -272,6 +273,9 @@ def run_demo(
     """``overrides``: per-op config overrides, e.g. ``{"sft_checkpoint": {"max_steps": 10}}``."""
     started = time.monotonic()
     home = ensure_dagster_home()
+    tinker = defs.resources.get("tinker")
+    if isinstance(tinker, TinkerResource):
+        print(backend_line(tinker), flush=True)
     results = []
     benchmarks = None
     with dg.DagsterInstance.from_config(str(home)) as instance:
@@ -283,6 +287,20 @@ def run_demo(
             benchmarks = run_benchmark_stage(defs, instance, [base_key(finals[0].base_model), *(final.partition for final in finals)])
             print(format_benchmarks(benchmarks), flush=True)
     return DemoResult(results, time.monotonic() - started, benchmarks)
+
+
+def backend_line(tinker: TinkerResource) -> str:
+    """Where the demo trains, printed before its first stage: on the embedded localtinker, the device (a GPU's
+    card) and the weights' dtype, so a user with a GPU sees it is used. Starts the embedded server, which the
+    first stage would start anyway (one per process)."""
+    with tinker.process_config_and_initialize_cm() as resolved:  # (environment variables resolved)
+        described = resolved.describe()
+    if described["tinker_backend"] == "remote":
+        return "Tinker backend: hosted Tinker"
+    if described.get("tinker_local_device"):
+        return (f"Tinker backend: localtinker (embedded) on {described['tinker_local_device']}, "
+                f"{described['tinker_local_dtype']}")
+    return f"Tinker backend: localtinker at {described['tinker_base_url']}"
 
 
 SHOWN_METRICS = ("accuracy", "reward", "pass@1", "pass@4", "pair_accuracy", "margin", "comparison_accuracy", "orders_agree",

@@ -46,13 +46,19 @@ class TinkerEndpoint:
     base_url: str | None  # None = the SDK's default (hosted Tinker)
     api_key: str | None
     embedded: bool
+    # an embedded localtinker's device ("cpu", "cuda:0 = <card>, sm90") and weights' dtype: what a run trained on
+    local_device: str | None = None
+    local_dtype: str | None = None
 
     def describe(self) -> dict[str, str]:
-        return {
+        described = {
             "tinker_backend": self.backend,
             "tinker_base_url": self.base_url or "hosted Tinker (SDK default)",
             "tinker_embedded": str(self.embedded).lower(),
         }
+        if self.local_device:
+            described.update(tinker_local_device=self.local_device, tinker_local_dtype=self.local_dtype or "")
+        return described
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,8 @@ class _EmbeddedServers:
         self._lock = threading.Lock()
         self._servers: dict[tuple[str, str, str], tuple[Any, str]] = {}
 
-    def get(self, storage_dir: Path, dtype: str, device: str = "auto") -> tuple[str, str]:
+    def get(self, storage_dir: Path, dtype: str, device: str = "auto") -> tuple[str, str, str, str]:
+        """(base URL, API key, device described, dtype) of the server for these settings, started on first use."""
         key = (str(storage_dir), dtype, device)
         with self._lock:
             if key not in self._servers:
@@ -115,13 +122,25 @@ class _EmbeddedServers:
                                       host="127.0.0.1", port=0)
                 self._servers[key] = (server, api_key)
             server, api_key = self._servers[key]
-            return server.base_url, api_key
+            return server.base_url, api_key, *_engine_described(server.engine)
 
     def stop_all(self) -> None:
         with self._lock:
             servers, self._servers = list(self._servers.values()), {}
         for server, _ in servers:
             server.stop()
+
+
+def _engine_described(engine: Any) -> tuple[str, str]:
+    """(device, dtype) of an embedded engine: ``cuda:0 = <card>, sm90[, without ...]`` on a GPU (the card's name
+    and what it lacks, localtinker.engine.device), ``cpu`` on the CPU."""
+    from localtinker.engine.device import card_summary
+
+    device = getattr(engine, "device", None)
+    if device is None:
+        return "", ""
+    card = card_summary(device)
+    return f"{device} = {card}" if card else str(device), str(getattr(engine, "dtype", ""))
 
 
 EMBEDDED_SERVERS = _EmbeddedServers()
@@ -187,8 +206,10 @@ class TinkerResource(dg.ConfigurableResource):
         if self.base_url:
             return TinkerEndpoint("local", self.base_url, self.api_key or EXISTING_LOCAL_SERVER_KEY, embedded=False)
         device = self.local_device or os.environ.get("LOCALTINKER_DEVICE") or "auto"
-        base_url, api_key = EMBEDDED_SERVERS.get(self.resolved_storage_dir(), self.local_dtype, device)
-        return TinkerEndpoint("local", base_url, api_key, embedded=True)
+        base_url, api_key, local_device, local_dtype = EMBEDDED_SERVERS.get(self.resolved_storage_dir(),
+                                                                             self.local_dtype, device)
+        return TinkerEndpoint("local", base_url, api_key, embedded=True, local_device=local_device,
+                              local_dtype=local_dtype)
 
     def resolved_storage_dir(self) -> Path:
         return Path(self.storage_dir).expanduser().resolve() if self.storage_dir else default_tinker_storage_dir()

@@ -138,7 +138,11 @@ class DeviceLock:
     def __enter__(self) -> DeviceLock:
         self._lock.acquire()
         scope = device_scope(self.device)
-        scope.__enter__()
+        try:
+            scope.__enter__()
+        except BaseException:
+            self._lock.release()
+            raise
         self._scopes.append(scope)
         return self
 

@@ -1,5 +1,7 @@
 """TinkerResource: backend resolution, secrecy of the key, and a real embedded localtinker through the SDK."""
 
+from types import SimpleNamespace
+
 import dagster as dg
 import pytest
 import tinker
@@ -62,6 +64,8 @@ def test_embedded_localtinker_is_started_once_per_process_and_serves_the_real_sd
     try:
         assert first.embedded and first.base_url.startswith("http://127.0.0.1:")
         assert again.base_url == first.base_url
+        # what the run trained on, for its metadata and MLflow tags
+        assert (first.describe()["tinker_local_device"], first.describe()["tinker_local_dtype"]) == ("cpu", "float32")
         client = resource.get_client()
         assert isinstance(client, tinker.ServiceClient)
         sampler = client.create_sampling_client(base_model="localtinker/tiny-random").result()
@@ -87,3 +91,17 @@ def test_a_failed_step_closes_its_tinker_session_as_errored_with_the_reason(tink
         client.create_sampling_client(base_model=TINY_MODEL)  # a step that succeeds keeps its session open
     (second,) = set(registry.sessions) - before - {new}
     assert registry.sessions[second].finished is None
+
+
+def test_an_embedded_engine_on_a_gpu_is_described_by_its_card(monkeypatch):
+    """The device tag of a run trained on a GPU names the card and what it lacks (faked cards: the description
+    reads their name and compute capability); a remote or existing server has no such tags."""
+    import torch
+
+    from resources.tinker import _engine_described
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    engine = SimpleNamespace(device=torch.device("cuda", 0), dtype="float32")
+    assert _engine_described(engine) == ("cuda:0 = Tesla T4, sm75, without bf16, flash kernels", "float32")
+    assert "tinker_local_device" not in TinkerResource(api_key="tml-x", backend="remote").describe()
