@@ -71,11 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     sock = bind_socket(args.host, args.port)
     engine = build_engine(storage, args.dtype, args.threads, device=args.device)
     service = LocalTinkerService(engine, storage, config)
-    from localtinker.engine.device import card_summary
+    from localtinker.engine.device import describe_device
 
-    card = card_summary(engine.device)
-    print(f"localtinker serving http://{args.host}:{sock.getsockname()[1]} (storage {storage}, {engine.device}"
-          f"{f' = {card}' if card else ''}, {engine.dtype})", flush=True)
+    print(f"localtinker serving http://{args.host}:{sock.getsockname()[1]} (storage {storage}, "
+          f"{describe_device(engine.device)}, {engine.dtype})", flush=True)
     try:
         uvicorn.Server(uvicorn_config(service.build_app(), args.log_level)).run(sockets=[sock])
     finally:

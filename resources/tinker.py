@@ -134,13 +134,10 @@ class _EmbeddedServers:
 def _engine_described(engine: Any) -> tuple[str, str]:
     """(device, dtype) of an embedded engine: ``cuda:0 = <card>, sm90[, without ...]`` on a GPU (the card's name
     and what it lacks, localtinker.engine.device), ``cpu`` on the CPU."""
-    from localtinker.engine.device import card_summary
+    from localtinker.engine.device import describe_device
 
     device = getattr(engine, "device", None)
-    if device is None:
-        return "", ""
-    card = card_summary(device)
-    return f"{device} = {card}" if card else str(device), str(getattr(engine, "dtype", ""))
+    return (describe_device(device), str(getattr(engine, "dtype", ""))) if device is not None else ("", "")
 
 
 EMBEDDED_SERVERS = _EmbeddedServers()

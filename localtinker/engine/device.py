@@ -98,6 +98,13 @@ def card_summary(device: torch.device) -> str:
     return f"{name}, sm{capability[0]}{capability[1]}" + (f", without {', '.join(missing)}" if missing else "")
 
 
+def describe_device(device: torch.device) -> str:
+    """``device`` for people: ``cpu``, or ``cuda:0 = <card>, sm75, without bf16, flash kernels`` (the server's
+    start-up line, a run's metadata)."""
+    card = card_summary(device)
+    return f"{device} = {card}" if card else str(device)
+
+
 def dtype_warning(device: torch.device, dtype: str) -> str | None:
     """Why ``dtype`` on ``device`` is a poor choice, or None: bfloat16 on a CUDA card without native bf16."""
     if dtype == "bfloat16" and device.type == "cuda" and not has_native_bf16(device):

@@ -13,7 +13,9 @@ from localtinker.__main__ import parse_args
 from localtinker.engine import decode_layer
 from localtinker.engine.decode_layer import TRAIN_COMPILE_ENV, compile_by_default
 from localtinker.engine.api import EngineUserError
-from localtinker.engine.device import DeviceLock, card_summary, default_dtype, device_scope, dtype_warning, resolve_device
+from localtinker.engine.device import (
+    DeviceLock, card_summary, default_dtype, describe_device, device_scope, dtype_warning, resolve_device,
+)
 from localtinker.engine.engine import LocalEngine, RoutedSampleStream
 from localtinker.engine.expert_lora import grouped_possible
 from localtinker.engine.portable_attention import varlen_available
@@ -108,6 +110,7 @@ def test_each_card_generation_gets_the_dtype_and_kernels_it_runs(monkeypatch, tm
     assert summary.startswith(f"{name}, sm{capability[0]}{capability[1]}")
     assert ("without" in summary) is (dtype == "float32")
     assert ("Triton" in summary) is not triton
+    assert describe_device(cuda) == f"cuda:0 = {summary}" and describe_device(torch.device("cpu")) == "cpu"
 
 
 def test_bf16_asked_for_on_a_card_without_bf16_tensor_cores_is_allowed_with_a_warning(monkeypatch, tmp_path,
