@@ -60,8 +60,10 @@ SHAPES: dict[str, dict] = {
                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                tie_word_embeddings=False, rope_theta=500000.0),
 }
-# (dense bf16 FLOP/s, memory bandwidth B/s) by card, from the vendors' data sheets.
-CARDS = {"H200": (989e12, 4.8e12), "H100 PCIe": (756e12, 2.0e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12)}
+# (dense bf16 FLOP/s, memory bandwidth B/s) by card, from the vendors' data sheets; the first key whose words are
+# all in the card's name wins (so L40S before L4, A100 before A10)
+CARDS = {"B200": (2250e12, 8.0e12), "H200": (989e12, 4.8e12), "H100 PCIe": (756e12, 2.0e12), "H100": (989e12, 3.35e12),
+         "A100": (312e12, 2.0e12), "L40S": (362e12, 0.864e12), "L4": (121e12, 0.3e12), "A10": (125e12, 0.6e12)}
 
 # --smoke: the whole flow on tiny shapes on the CPU, to check the script itself without a GPU.
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

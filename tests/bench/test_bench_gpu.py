@@ -36,3 +36,21 @@ def test_the_gpu_bench_runs_every_part_on_tiny_shapes(tmp_path):
     # the decoder's weights joined (so the separate products were compared)
     assert figures["1b.ours.train_layers_compiled"] == 1 and figures["1b.ours_graphs.still_graphed"] == 1
     assert figures["1b.ours.decode_joined"] == 1
+
+
+def test_each_card_takes_its_own_data_sheet_and_an_unknown_one_none(monkeypatch):
+    """The first entry whose words are all in the card's name: an L40S is not read as an L4, an A100 not as an
+    A10, an H100 PCIe not as an SXM H100."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import bench_gpu
+
+    expected = {"NVIDIA L40S": 362e12, "NVIDIA L4": 121e12, "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A10": 125e12,
+                "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12,
+                "NVIDIA B200": 2250e12}
+    for name, flops in expected.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        assert bench_gpu.card_peaks()[0] == flops, name
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    assert bench_gpu.card_peaks() == (None, None, "Tesla T4")
