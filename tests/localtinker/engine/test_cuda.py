@@ -176,6 +176,47 @@ def check_decode_graphs(tmp_path):
     return decoder
 
 
+def test_the_real_sdk_through_a_server_whose_engine_runs_on_the_gpu_from_its_worker_thread(tmp_path):
+    """What a user runs: the tinker SDK over HTTP to ``localtinker serve --device cuda``. The engine computes on
+    the protocol's worker thread, not the caller's (the other tests call it directly): its pieces compile, its
+    decode graphs are captured and its card is current there. Training lowers the loss; eight requests sampled at
+    once through the graphs give the logprobs the sampler then scores the same tokens with."""
+    import tinker
+    from tinker import types
+
+    from localtinker.engine.static_decode import pooled_decoders
+    from localtinker.server import start_server
+
+    engine = LocalEngine(tmp_path / "storage", dtype="bfloat16", device="cuda")
+    with start_server(tmp_path / "storage", engine=engine) as server:
+        client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-local")
+        trainer = client.create_lora_training_client(base_model=TINY, rank=4, seed=1).result()
+        tokens = [int(t) for t in np.random.default_rng(3).integers(0, 1000, size=41)]
+        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+        losses = []
+        for _ in range(4):
+            losses.append(trainer.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
+            trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        assert losses[-1] < losses[0], losses
+        sampler = trainer.save_weights_and_get_sampling_client("gpu-server")
+        prompts = [tokens[i : i + 6 + i] for i in range(8)]
+        futures = [sampler.sample(types.ModelInput.from_ints(prompt), num_samples=2,
+                                  sampling_params=types.SamplingParams(max_tokens=12, seed=i, stop=[]))
+                   for i, prompt in enumerate(prompts)]
+        errors = []
+        for prompt, future in zip(prompts, futures):
+            for sequence in future.result().sequences:
+                assert len(sequence.tokens) == 12
+                scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt + sequence.tokens)).result()
+                errors.append(np.abs(np.array(scored[len(prompt):]) - np.array(sequence.logprobs)))
+        errors = np.concatenate(errors)
+        assert errors.mean() < BF16_MEAN and errors.max() < BF16_MAX, (errors.mean(), errors.max())
+        (decoder,) = pooled_decoders(engine._hosts[TINY].base.model)
+        assert decoder.use_graphs and decoder.captured_graphs >= 1, decoder.graph_error
+        client.close("success").result(timeout=60)
+
+
 def test_running_out_of_gpu_memory_is_a_user_error_and_the_next_step_runs(tmp_path):
     """A real CUDA out-of-memory (the process capped a little above what it holds, the micro-batches still sized
     by the card's free memory): the request fails as a DeviceMemoryError naming its size and the free memory,
