@@ -128,7 +128,11 @@ class AdapterHost:
             if len(self._peft.peft_config) == 1:
                 # peft refuses to delete the last adapter; leave it (it is never activated again).
                 return
-            self._peft.delete_adapter(name)
+            with warnings.catch_warnings():
+                # peft warns when the adapter it deletes was active and it picks another: which one is active is
+                # this host's to say (activated()), so the notice is noise on a server's log and the demo's output
+                warnings.filterwarnings("ignore", message=r"Adapter .* was active which is now deleted")
+                self._peft.delete_adapter(name)
             forget_layers(self.model, name)
             self._active = None
 

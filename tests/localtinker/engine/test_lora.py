@@ -127,6 +127,26 @@ def test_bf16_factors_are_cast_once_without_autograd_and_recast_after_an_update(
     assert name not in layer.__dict__[lora._CAST]  # a deleted adapter's rounded factors go with it
 
 
+def test_deleting_the_adapter_peft_has_active_is_silent_and_leaves_the_others_working():
+    """peft warns when the adapter it deletes was its active one (an evicted sampler's, a released session's):
+    which adapter runs is the host's to say, so nothing is printed; the remaining adapter computes as before."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_random_dir(), dtype=torch.float32).eval()
+    model.requires_grad_(False)
+    host = lora.AdapterHost(model)
+    spec = LoraSpec(rank=4, train_attn=True, train_mlp=True, train_unembed=False)
+    kept, dropped = host.add_adapter(spec, seed=0), host.add_adapter(spec, seed=1)
+    tokens = torch.randint(0, 200, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), host.activated(kept):
+        before = host.model(input_ids=tokens).logits
+    with torch.no_grad(), host.activated(dropped):
+        host.model(input_ids=tokens)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        host.delete_adapter(dropped)
+    with torch.no_grad(), host.activated(kept):
+        assert torch.equal(host.model(input_ids=tokens).logits, before)
+
+
 @pytest.mark.parametrize("merged_slots", [1, 2], ids=["fewer-merge-slots", "every-resident-adapter-merged"])
 def test_a_full_resident_set_reuses_an_adapter_for_the_next_snapshot(engine, new_id, monkeypatch, merged_slots):
     """An RL loop samples a new snapshot every step: once RESIDENT_SAMPLER_ADAPTERS are resident, the next
