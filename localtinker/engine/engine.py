@@ -61,7 +61,7 @@ from localtinker.engine.packed_training import pack_for_training
 from localtinker.engine.peft_export import CheckpointFiles, external_weights_files, save_external_weights
 from localtinker.engine import scoring
 from localtinker.engine.api import SampleExtras, SampleExtrasSpec
-from localtinker.engine.portable_sampling import PortableSampleStream
+from localtinker.engine.portable_sampling import PortableSampleStream, cache_bytes_per_token
 from localtinker.engine.prefix_sharing import token_rows
 from localtinker.engine.retained_forward import LogprobBatch, RetainedForward, forward_tracking
 from localtinker.engine.sample_stream import SampleStream, SamplingTarget
@@ -572,6 +572,10 @@ class LocalEngine:
             spec = replace(spec, max_tokens=max(0, base.max_context_length - len(spec.prompt_tokens)))
         validate_sample_spec(spec, base.vocab_size, base.max_context_length)
         return f"{sampler.base_name}|{sampler.weights_key}", spec
+
+    def cache_bytes_per_token(self, sampler_id: str) -> int:
+        """Bytes of keys and values a token of ``sampler_id``'s samples holds in the portable sampler's cache."""
+        return cache_bytes_per_token(self._hosts[self._sampler(sampler_id).base_name].base.model)
 
     def sample_extras(self, sampler_id: str, spec: SampleSpec, extras: SampleExtrasSpec, result: SampleResult) -> SampleExtras:
         with self._lock:

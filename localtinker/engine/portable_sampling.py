@@ -10,7 +10,11 @@ through ``chunked_logprobs.output_logits``, the trainer's function, so sampler a
 With ``static_decode`` (the default on a GPU) the Llama-shaped families run instead over
 ``static_decode.StaticDecoder``'s preallocated cache: prefill through its own pieces, each prompt once and packed
 without padding, and each decode step one CUDA graph replay.
-Admission is bounded by the same KV budget as the CPU stream (prompt + samples × min(max_tokens, 1024)).
+Admission is bounded by a KV budget in tokens (prompt + samples × min(max_tokens, 1024), as the CPU stream's) and by
+the device's memory: the caches that the admitted requests' rows will reach (rows × the longest row's columns,
+rounded up as the caches are) must fit a share of what the device has free beside the caches held now. Requests
+past either bound wait for rows to finish, so a burst larger than the card (an RL step's samples, an eval's
+concurrent requests) runs in turns rather than failing out of memory.
 """
 
 from __future__ import annotations
@@ -28,14 +32,20 @@ from localtinker.engine.chunked_logprobs import chunked_token_logprobs, output_l
 from localtinker.engine.families import final_softcap
 from localtinker.engine.kv_rows import RowCache, first_used_column, left_pad, select_rows
 from localtinker.engine.memory_errors import SAMPLING_REMEDY, device_memory_error
+from localtinker.engine.model_memory import available_bytes
 from localtinker.engine.sample_stream import RESERVED_TOKENS_PER_SAMPLE, SamplingBackend, SamplingTarget
 from localtinker.engine.sampler import SampleRow, record_token, rows_for
-from localtinker.engine.static_decode import CONTROLS, StaticDecoder, bucket, static_decode_supported
+from localtinker.engine.static_decode import (
+    CONTROLS, MIN_COLUMNS, SLOT_FLOOR, StaticDecoder, bucket, frozen_layer, static_decode_supported,
+)
 from localtinker.engine.token_choice import choose_tokens_on_device, filters, next_uniforms
 
 # Σ (prompt + samples × min(max_tokens, 1024)) admitted at once. A GPU holds far more keys than a CPU can
 # attend to per step: 64 prompts × 8 samples × 1024 tokens fit an 8B model's cache on an 80 GB card.
 PORTABLE_BATCH_TOKENS = 1 << 20
+# Of the memory free beside the caches held now, the share the admitted rows' caches may reach; the rest is for
+# the step's logits and activations, and for the caches' growth between buckets.
+CACHE_MEMORY_SHARE = 0.6
 
 Completed = list[tuple[Hashable, SampleResult | Exception]]
 
@@ -52,6 +62,10 @@ class _Request:
 
     def cost(self) -> int:
         return len(self.spec.prompt_tokens) + self.spec.num_samples * min(self.spec.max_tokens, RESERVED_TOKENS_PER_SAMPLE)
+
+    def width(self) -> int:
+        """The columns its rows reach: the prompt and the reserved new tokens."""
+        return len(self.spec.prompt_tokens) + min(self.spec.max_tokens, RESERVED_TOKENS_PER_SAMPLE)
 
     def result(self) -> SampleResult:
         sequences = [SampledSequence(r.tokens, r.logprobs, r.stop_reason or "length") for r in self.rows]
@@ -98,6 +112,15 @@ class _Batch:
         if static and static_decode_supported(model):
             self.static = StaticDecoder.acquire(model)
             self.static.set_adapter(target.adapter)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes its rows' keys and values hold now (the static decoder's whole cache, or the dynamic cache)."""
+        if self.static is not None:
+            return self.static.cache_bytes
+        if self.cache is None:
+            return 0
+        return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
 
     def close(self, reusable: bool) -> None:
         """Returns the static decoder (its buffers and graphs) to the model's pool, unless a failure may have
@@ -305,6 +328,26 @@ class _Batch:
         return [None, *values.tolist()]
 
 
+def cache_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of keys and values one token holds in the sampler's cache of ``model``: each layer's k and v
+    projections' outputs, in the model's dtype (as the static decoder and the dynamic cache keep them)."""
+    layers = model.get_decoder().layers
+    dtype = next(model.parameters()).dtype
+    return sum(frozen_layer(layer.self_attn.k_proj).out_features + frozen_layer(layer.self_attn.v_proj).out_features
+               for layer in layers) * dtype.itemsize
+
+
+def projected_cache_bytes(requests: list[_Request], bytes_per_token: dict[str, int]) -> int:
+    """What the caches of ``requests`` reach when all run at once: per set of weights (one batch, one cache),
+    its rows × the longest row's columns, each rounded up to its bucket as the static decoder's are."""
+    groups: dict[str, tuple[int, int]] = {}
+    for request in requests:
+        rows, width = groups.get(request.weights, (0, 0))
+        groups[request.weights] = (rows + request.spec.num_samples, max(width, request.width()))
+    return sum(bucket(rows, SLOT_FLOOR) * bucket(width, MIN_COLUMNS) * bytes_per_token[weights]
+               for weights, (rows, width) in groups.items())
+
+
 class PortableSampleStream:
     """``submit`` / ``step`` / ``busy`` as :class:`~localtinker.engine.sample_stream.SampleStream`."""
 
@@ -317,6 +360,7 @@ class PortableSampleStream:
         self._rejected: Completed = []
         self._batches: dict[str, _Batch] = {}
         self._admitted: dict[Hashable, _Request] = {}
+        self._bytes_per_token: dict[str, int] = {}  # by weights: their base model's cache bytes per token
 
     @property
     def busy(self) -> bool:
@@ -345,14 +389,38 @@ class PortableSampleStream:
         return completed
 
     def _admissions(self) -> dict[str, list[_Request]]:
+        """The pending requests that start now, in order, by weights: while the token budget and the device's
+        memory (:meth:`_cache_room`) hold; with nothing running, the first one whatever its size (too large for
+        the device, it then fails with an out-of-memory error naming what to send)."""
         used = sum(r.cost() for r in self._admitted.values())
+        running = list(self._admitted.values())
+        room = self._cache_room() if self._pending else None
         admitted: dict[str, list[_Request]] = {}
         while self._pending and (not used or used + self._pending[0].cost() <= self.budget_tokens):
-            request = self._pending.popleft()
+            request = self._pending[0]
+            if running and room is not None and self._projected([*running, request]) > room:
+                break
+            self._pending.popleft()
             used += request.cost()
+            running.append(request)
             self._admitted[request.key] = request
             admitted.setdefault(request.weights, []).append(request)
         return admitted
+
+    def _cache_room(self) -> int | None:
+        """Bytes the running and admitted rows' caches may reach together: a share of the device's free memory
+        plus what the running batches' caches hold now; None where the device's memory cannot be read."""
+        room = available_bytes(self.backend.device)
+        if room is None:
+            return None
+        held = sum(batch.cache_bytes for batch in self._batches.values())
+        return int(CACHE_MEMORY_SHARE * (room[0] + held))
+
+    def _projected(self, requests: list[_Request]) -> int:
+        for request in requests:
+            if request.weights not in self._bytes_per_token:
+                self._bytes_per_token[request.weights] = self.backend.cache_bytes_per_token(request.sampler_id)
+        return projected_cache_bytes(requests, self._bytes_per_token)
 
     def _run(self, weights: str, requests: list[_Request], action) -> Completed:
         batch = self._batches.get(weights)

@@ -70,6 +70,10 @@ class SamplingBackend(Protocol):
         """Loads (and holds until ``release``) the sampler's weights."""
         ...
 
+    def cache_bytes_per_token(self, sampler_id: str) -> int:
+        """Bytes of keys and values one token of the sampler's rows holds in the portable sampler's cache."""
+        ...
+
 
 @dataclass
 class _Pending:

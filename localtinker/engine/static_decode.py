@@ -54,6 +54,7 @@ from localtinker.engine.token_choice import choose_in_step
 
 STATIC_DECODE_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", *SANDWICH_FAMILIES})
 MIN_COLUMNS = 128  # a graph is captured per power-of-two bucket of rows and of attended columns
+SLOT_FLOOR = 8  # the fewest slots a cache is made with
 _POOL = "_localtinker_static_decoders"  # on the base model: decoders whose batch has drained, graphs kept
 _KEPT_DECODERS = 2
 _KEPT_CACHE_SHARE = 1 / 8  # of the device's memory: the pooled decoders' caches together, at most
@@ -501,7 +502,7 @@ class StaticDecoder:
     @torch.inference_mode()
     def reserve(self, slots: int, columns: int) -> None:
         """Room for ``slots`` rows of ``columns`` positions, grown to power-of-two sizes (contents kept)."""
-        slots, columns = bucket(slots, 8), bucket(columns, MIN_COLUMNS)
+        slots, columns = bucket(slots, SLOT_FLOOR), bucket(columns, MIN_COLUMNS)
         if slots <= self.slots and columns <= self.columns:
             return
         slots, columns = max(slots, self.slots), max(columns, self.columns)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from localtinker.engine import chunked_logprobs, engine as engine_module
+from localtinker.engine import chunked_logprobs, engine as engine_module, portable_sampling
 from localtinker.engine.api import LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
 from tests.localtinker.engine.reference import TINY, sft_datum
@@ -147,3 +147,58 @@ def test_every_loss_equals_the_tuned_path(portable, engine, new_id, loss, config
         np.testing.assert_allclose(a["elementwise_loss"], b["elementwise_loss"], atol=1e-5, rtol=1e-5)
     for key, grad in our_grads.items():
         torch.testing.assert_close(grad, tuned_grads[key], atol=1e-5, rtol=1e-4, msg=key)
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static-decoder", "dynamic-cache"])
+def test_a_burst_larger_than_the_devices_memory_runs_in_turns(tmp_path, new_id, monkeypatch, static):
+    """Six requests whose caches together need more than the device has free (faked: the room for any two at
+    once) are admitted two at a time as earlier ones finish, rather than all at once into an out-of-memory error;
+    each gets all its tokens, with the trainer's logprobs. Nothing running, a request larger than the room still
+    starts (alone)."""
+    engine = LocalEngine(tmp_path, dtype="float32", portable=True, static_decode=static)
+    model_id = new_id()
+    engine.create_model(model_id, TINY, LORA)
+    _randomise_b(engine, model_id)
+    engine.create_ephemeral_sampler("burst", model_id)
+    specs = [SampleSpec(prompt_tokens=tuple(range(100 + 9 * i, 110 + 9 * i)), num_samples=3, max_tokens=6, seed=i,
+                        stop_token_ids=()) for i in range(6)]
+    stream = engine.sample_stream().portable
+    for index, spec in enumerate(specs):
+        stream.submit(index, "burst", spec)
+    two = portable_sampling.projected_cache_bytes(list(stream._pending)[:2], {stream._pending[0].weights:
+                                                                                engine.cache_bytes_per_token("burst")})
+    room = two / portable_sampling.CACHE_MEMORY_SHARE + 16  # (a little over: the share is rounded down)
+    monkeypatch.setattr(portable_sampling, "available_bytes",
+                        lambda device: (int(room) - sum(b.cache_bytes for b in stream._batches.values()), "faked"))
+    done, most = {}, 0
+    while stream.busy:
+        done.update(dict(stream.step()))
+        most = max(most, len(stream._admitted))
+    assert most == 2 and sorted(done) == list(range(6))
+    for index, spec in enumerate(specs):
+        assert not isinstance(done[index], Exception), done[index]
+        for sequence in done[index].sequences:
+            assert len(sequence.tokens) == spec.max_tokens
+            expected = _trainer_logprobs(engine, model_id, spec.prompt_tokens, sequence.tokens)
+            np.testing.assert_allclose(sequence.logprobs, expected, atol=1e-5, rtol=0)
+    monkeypatch.setattr(portable_sampling, "available_bytes", lambda device: (0, "faked"))
+    stream.submit("alone", "burst", specs[0])
+    while stream.busy:
+        done.update(dict(stream.step()))
+    assert [len(s.tokens) for s in done["alone"].sequences] == [spec.max_tokens] * 3
+
+
+def test_the_cache_bytes_per_token_are_what_the_static_decoders_cache_holds():
+    """projected_cache_bytes' unit: slots × columns × cache_bytes_per_token is the static decoder's cache, for
+    families of different head shapes (GQA, Qwen3's head dim, Gemma's)."""
+    from transformers import AutoModelForCausalLM
+
+    from localtinker.engine.static_decode import StaticDecoder
+    from tests.localtinker.engine.families import family_dir
+
+    for family in ("llama", "qwen3", "gemma3_text"):
+        model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32)
+        decoder = StaticDecoder(model)
+        decoder.reserve(5, 200)
+        assert (decoder.slots, decoder.columns) == (8, 256)
+        assert decoder.cache_bytes == 8 * 256 * portable_sampling.cache_bytes_per_token(model), family
