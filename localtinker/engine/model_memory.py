@@ -64,6 +64,21 @@ def available_bytes(device: torch.device, meminfo: Path = MEMINFO, cgroup: Path 
     return (available, "available on this machine") if available is not None else None
 
 
+def total_bytes(device: torch.device, meminfo: Path = MEMINFO) -> int | None:
+    """The device's whole memory: a card's, or the machine's RAM (``MemTotal``); None where it cannot be read."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type != "cpu":
+        return None
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def check_weights_fit(name: str, config: Any, dtype: torch.dtype, device: torch.device) -> None:
     """Raises :class:`ModelTooLargeError` where the weights of ``name`` in ``dtype`` need more than ``device`` has
     (see the module docstring); does nothing where either side cannot be known."""

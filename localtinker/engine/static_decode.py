@@ -48,6 +48,7 @@ from localtinker.engine.decode_layer import (
 )
 from localtinker.engine.expert_lora import adapters_of, grouped_possible, unsupported
 from localtinker.engine.families import architecture, attention_softcap, final_softcap, layer_windows, text_config
+from localtinker.engine.model_memory import total_bytes
 from localtinker.engine.packed_layout import PackedLayout, segment_visibility
 from localtinker.engine.portable_attention import explicit_attention, packed_causal_attention
 from localtinker.engine.token_choice import choose_in_step
@@ -456,9 +457,8 @@ class StaticDecoder:
         large: a long sample's cache must not stay allocated under the next training step."""
         pooled = pooled_decoders(self.model)
         kept = self.cache_bytes + sum(decoder.cache_bytes for decoder in pooled)
-        small = self.device.type != "cuda" or kept <= _KEPT_CACHE_SHARE * torch.cuda.get_device_properties(
-            self.device).total_memory
-        if len(pooled) < _KEPT_DECODERS and small:
+        total = total_bytes(self.device)
+        if len(pooled) < _KEPT_DECODERS and (total is None or kept <= _KEPT_CACHE_SHARE * total):
             self.positions.zero_()
             pooled.append(self)
 

@@ -101,3 +101,12 @@ def test_the_cpus_room_is_memavailable_or_a_containers_headroom_whichever_is_les
     assert available_bytes(cpu, meminfo, cgroup)[0] == 59 * GIB
     assert available_bytes(cpu, tmp_path / "none", tmp_path / "none") is None
     assert available_bytes(torch.device("meta")) is None
+
+
+def test_the_devices_whole_memory_is_the_cards_or_memtotal(tmp_path, monkeypatch):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
+    assert model_memory.total_bytes(torch.device("cpu"), meminfo) == 24000000 * 1024
+    assert model_memory.total_bytes(torch.device("cpu"), tmp_path / "none") is None
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: type("P", (), {"total_memory": 80 * GIB}))
+    assert model_memory.total_bytes(torch.device("cuda", 0)) == 80 * GIB

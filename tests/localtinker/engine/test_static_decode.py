@@ -461,3 +461,27 @@ def test_sdpa_attention_is_taken_only_where_sdpa_computes_the_layer(monkeypatch,
     assert StaticDecoder(model, compiled=False).sdpa_attention == (family == "llama")
     monkeypatch.delenv("LOCALTINKER_DECODE_ATTENTION")
     assert not StaticDecoder(model, compiled=False).sdpa_attention
+
+
+def test_a_released_decoder_keeps_its_cache_only_while_the_pool_stays_within_an_eighth_of_the_memory(monkeypatch):
+    """Between batches the pool keeps up to two decoders (their graphs are reused), but not a cache that would
+    hold more than 1/8 of the device's memory under the next training step: on the CPU too, whose RAM (faked
+    here) a burst's cache would otherwise keep."""
+    from transformers import AutoModelForCausalLM
+
+    from localtinker.engine import static_decode
+    from localtinker.engine.static_decode import StaticDecoder, pooled_decoders
+    from tests.localtinker.engine.families import family_dir
+
+    model = AutoModelForCausalLM.from_pretrained(family_dir("llama"), dtype=torch.float32)
+    small, large = StaticDecoder(model), StaticDecoder(model)
+    small.reserve(8, 128)
+    large.reserve(64, 1024)
+    monkeypatch.setattr(static_decode, "total_bytes", lambda device: 8 * large.cache_bytes - 8)
+    large.release()
+    assert pooled_decoders(model) == []  # its cache alone is more than an eighth
+    small.release()
+    assert pooled_decoders(model) == [small]
+    monkeypatch.setattr(static_decode, "total_bytes", lambda device: None)  # memory unknown: kept
+    large.release()
+    assert pooled_decoders(model) == [small, large]
