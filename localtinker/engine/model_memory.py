@@ -48,16 +48,16 @@ def weight_bytes(config: Any, dtype: torch.dtype) -> int | None:
 
 
 def available_bytes(device: torch.device, meminfo: Path = MEMINFO, cgroup: Path = CGROUP) -> tuple[int, str] | None:
-    """(bytes a new model may take on ``device``, where that is said), or None where it cannot be read. On CUDA:
-    the card's free memory plus what torch's cache holds unused. On the CPU: the kernel's ``MemAvailable``, or
-    the container's headroom under its cgroup limit where that is less."""
+    """(bytes new allocations may take on ``device``: a model's weights, the sampler's caches; where that is said),
+    or None where it cannot be read. On CUDA: the card's free memory plus what torch's cache holds unused. On the
+    CPU: the kernel's ``MemAvailable``, or the container's headroom under its cgroup limit where that is less."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return free + cached, f"free on {device} ({total / _GIB:.1f} GiB in all)"
     if device.type != "cpu":
         return None
-    available = _meminfo_available(meminfo)
+    available = _meminfo_bytes(meminfo, "MemAvailable")
     headroom = _cgroup_headroom(cgroup)
     if headroom is not None and (available is None or headroom < available):
         return headroom, "left under this container's memory limit"
@@ -68,15 +68,7 @@ def total_bytes(device: torch.device, meminfo: Path = MEMINFO) -> int | None:
     """The device's whole memory: a card's, or the machine's RAM (``MemTotal``); None where it cannot be read."""
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
-    if device.type != "cpu":
-        return None
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    return _meminfo_bytes(meminfo, "MemTotal") if device.type == "cpu" else None
 
 
 def check_weights_fit(name: str, config: Any, dtype: torch.dtype, device: torch.device) -> None:
@@ -98,11 +90,12 @@ def check_weights_fit(name: str, config: Any, dtype: torch.dtype, device: torch.
     )
 
 
-def _meminfo_available(meminfo: Path) -> int | None:
+def _meminfo_bytes(meminfo: Path, field: str) -> int | None:
+    """``field`` of /proc/meminfo in bytes (the file says kB), or None where it cannot be read."""
     try:
         for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024  # kB
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
