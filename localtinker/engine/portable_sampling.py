@@ -29,7 +29,7 @@ import torch
 
 from localtinker.engine.api import EngineUserError, SampledSequence, SampleResult, SampleSpec
 from localtinker.engine.chunked_logprobs import chunked_token_logprobs, output_logits
-from localtinker.engine.families import final_softcap
+from localtinker.engine.families import final_softcap, text_config
 from localtinker.engine.kv_rows import RowCache, first_used_column, left_pad, select_rows
 from localtinker.engine.memory_errors import SAMPLING_REMEDY, device_memory_error
 from localtinker.engine.model_memory import available_bytes
@@ -330,11 +330,19 @@ class _Batch:
 
 def cache_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of keys and values one token holds in the sampler's cache of ``model``: each layer's k and v
-    projections' outputs, in the model's dtype (as the static decoder and the dynamic cache keep them)."""
-    layers = model.get_decoder().layers
+    projections' outputs, in the model's dtype (as the static decoder and the dynamic cache keep them). A layer
+    without separate k and v projections (a fused qkv) is sized from the config: kv heads × head dim, twice."""
     dtype = next(model.parameters()).dtype
-    return sum(frozen_layer(layer.self_attn.k_proj).out_features + frozen_layer(layer.self_attn.v_proj).out_features
-               for layer in layers) * dtype.itemsize
+    config = text_config(model.config)
+    heads = int(config.num_attention_heads)
+    fallback = 2 * int(getattr(config, "num_key_value_heads", None) or heads) * int(
+        getattr(config, "head_dim", None) or config.hidden_size // heads)
+    per_layer = []
+    for layer in model.get_decoder().layers:
+        attention = getattr(layer, "self_attn", None)
+        k, v = getattr(attention, "k_proj", None), getattr(attention, "v_proj", None)
+        per_layer.append(fallback if k is None or v is None else frozen_layer(k).out_features + frozen_layer(v).out_features)
+    return sum(per_layer) * dtype.itemsize
 
 
 def projected_cache_bytes(requests: list[_Request], bytes_per_token: dict[str, int]) -> int:

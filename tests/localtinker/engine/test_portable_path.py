@@ -202,3 +202,15 @@ def test_the_cache_bytes_per_token_are_what_the_static_decoders_cache_holds():
         decoder.reserve(5, 200)
         assert (decoder.slots, decoder.columns) == (8, 256)
         assert decoder.cache_bytes == 8 * 256 * portable_sampling.cache_bytes_per_token(model), family
+
+
+def test_a_model_with_fused_qkv_is_sized_from_its_config():
+    """A family outside the listed ones (Phi-3: one qkv projection) still runs on the portable path's dynamic
+    cache: its cache is sized from the config, kv heads × head dim for k and for v, per layer."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    config = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=100, pad_token_id=0)
+    model = Phi3ForCausalLM(config).to(torch.bfloat16)
+    assert not hasattr(model.get_decoder().layers[0].self_attn, "k_proj")
+    assert portable_sampling.cache_bytes_per_token(model) == 3 * 2 * 2 * 16 * 2
