@@ -24,7 +24,7 @@ def test_sdk_round_trip_on_the_portable_path(tmp_path) -> None:
         trainer.optim_step(types.AdamParams(learning_rate=5e-3)).result()
         second = trainer.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
         assert second < first
-        sampler = trainer.save_weights_and_get_sampling_client("portable")
+        sampler = trainer.save_weights_and_get_sampling_client("portable").result()
         prompt = types.ModelInput.from_ints(tokens[:4])
         params = types.SamplingParams(max_tokens=5, seed=2, stop=[])
         result = sampler.sample(prompt, num_samples=2, sampling_params=params).result()

@@ -67,7 +67,7 @@ def test_samples_are_not_starved_by_a_flood_of_training_ops(tinker_server, servi
     trainer = service_client.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=1).result()
     other = _second_client(tinker_server)
     try:
-        sampler = other.create_sampling_client(base_model=TINY_MODEL)
+        sampler = other.create_sampling_client(base_model=TINY_MODEL).result()
         flood = [trainer.forward_backward([_datum(128, i) for _ in range(4)], "cross_entropy") for i in range(20)]
         time.sleep(0.3)
         sample = sampler.sample(PROMPT, num_samples=1, sampling_params=types.SamplingParams(max_tokens=8, seed=2, stop=[]))

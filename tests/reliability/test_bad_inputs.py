@@ -288,7 +288,7 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
         client = tinker.ServiceClient(base_url=server.base_url, api_key="tml-local")
         trainer = client.create_lora_training_client(base_model=TINY_MODEL, rank=4, seed=3).result()
         sampler_path = trainer.save_weights_for_sampler("probe").result().path
-        handle = Api(server, client, trainer, client.create_sampling_client(model_path=sampler_path), sampler_path,
+        handle = Api(server, client, trainer, client.create_sampling_client(model_path=sampler_path).result(), sampler_path,
                      len(trainer.get_tokenizer()), np.empty(0))
         handle.probe = handle.probe_logprobs()
         yield handle

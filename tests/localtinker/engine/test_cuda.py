@@ -199,7 +199,7 @@ def test_the_real_sdk_through_a_server_whose_engine_runs_on_the_gpu_from_its_wor
             losses.append(trainer.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
             trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         assert losses[-1] < losses[0], losses
-        sampler = trainer.save_weights_and_get_sampling_client("gpu-server")
+        sampler = trainer.save_weights_and_get_sampling_client("gpu-server").result()
         prompts = [tokens[i : i + 6 + i] for i in range(8)]
         futures = [sampler.sample(types.ModelInput.from_ints(prompt), num_samples=2,
                                   sampling_params=types.SamplingParams(max_tokens=12, seed=i, stop=[]))
