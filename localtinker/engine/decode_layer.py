@@ -244,10 +244,9 @@ def allow_recompiles(limit: int = 64) -> None:
 
 def compile_by_default(device: torch.device, env: str = COMPILE_ENV) -> tuple[bool, str | None]:
     """(whether to compile, why not): on a CUDA card Triton runs on (sm70 on) with Triton importable, unless
-    ``$env`` is ``0``
-    (``LOCALTINKER_DECODE_COMPILE`` for the decode step). ``$env`` = ``1`` compiles on other devices too, through
-    inductor's C++ code: nothing a CPU user gains (its own path is tuned), but how ``bench_gpu.py --smoke`` runs
-    the compiled parts of the GPU bench before a GPU does."""
+    ``$env`` is ``0`` (``LOCALTINKER_DECODE_COMPILE`` for the decode step). ``$env`` = ``1`` compiles on other
+    devices too, through inductor's C++ code: nothing a CPU user gains (its own path is tuned), but how
+    ``bench_gpu.py --smoke`` runs the compiled parts of the GPU bench before a GPU does."""
     setting = os.environ.get(env)
     if setting == "0":
         return False, f"{env}=0"

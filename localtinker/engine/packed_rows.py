@@ -20,7 +20,7 @@ import torch
 
 from localtinker.engine.families import attention_softcap
 from localtinker.engine.packed_layout import PackedBatch, packed_batches
-from localtinker.engine.portable_attention import varlen_available, varlen_rows
+from localtinker.engine.portable_attention import flash_takes, varlen_rows
 from localtinker.engine.prefix_sharing import TokenRows
 
 if TYPE_CHECKING:
@@ -62,12 +62,12 @@ def device_microbatch_tokens(config: object, device: torch.device, ceiling: int)
 
 def takes_varlen(decoder: torch.nn.Module, device: torch.device) -> bool:
     """Whether packed rows go through transformers' layers by their bounds, with no [tokens × tokens] mask: through
-    the flash varlen kernel on a CUDA device in bf16/fp16 (flash has no float32); with attention sinks (gpt-oss)
-    or a soft cap on the scores (Gemma 2) through beyond_flash.py, on any device and dtype (its explicit kernels
-    where flash cannot run)."""
+    the flash varlen kernel where it takes them (portable_attention.flash_takes: a CUDA card from sm80, bf16/fp16);
+    with attention sinks (gpt-oss) or a soft cap on the scores (Gemma 2) through beyond_flash.py, on any device and
+    dtype (its explicit kernels where flash cannot run)."""
     if attention_softcap(decoder.config) or has_attention_sinks(decoder):
         return True
-    return varlen_available(device) and next(decoder.parameters()).dtype in (torch.bfloat16, torch.float16)
+    return flash_takes(device, next(decoder.parameters()).dtype)
 
 
 def has_attention_sinks(decoder: torch.nn.Module) -> bool:

@@ -64,6 +64,12 @@ def varlen_available(device: torch.device) -> bool:
     return runs_flash_kernels(device) and _varlen_function() is not None
 
 
+def flash_takes(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether packed rows in ``dtype`` on ``device`` take the flash varlen kernel: :func:`varlen_available`, in
+    bf16/fp16 (flash has no float32)."""
+    return varlen_available(device) and dtype in (torch.bfloat16, torch.float16)
+
+
 def _portable_mask(*args: Any, **kwargs: Any) -> Any:
     from transformers.masking_utils import sdpa_mask
 
@@ -192,7 +198,7 @@ def _packed_beyond_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     mask); returns [1, tokens, heads, d]."""
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [tokens, heads, d]
     scaling = kwargs.get("scaling") or q.shape[-1] ** -0.5
-    flash = varlen_available(q.device) and q.dtype in (torch.bfloat16, torch.float16)
+    flash = flash_takes(q.device, q.dtype)
     return attention_beyond_flash(q, k, v, layout, scaling, kwargs.get("sliding_window"), kwargs.get("s_aux"),
                                   kwargs.get("softcap"), flash)[None]
 
@@ -237,7 +243,7 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     ``sinks`` [heads] (gpt-oss) and a ``softcap`` on the scores (Gemma 2): beyond_flash.py."""
     if layout.key_rows is not None:
         k, v = k.index_select(0, layout.key_rows), v.index_select(0, layout.key_rows)
-    flash = varlen_available(q.device) and q.dtype in (torch.bfloat16, torch.float16)
+    flash = flash_takes(q.device, q.dtype)
     if sinks is not None or softcap:
         return attention_beyond_flash(q, k, v, layout, scaling, window, sinks, softcap, flash)
     if flash:
