@@ -93,6 +93,13 @@ def product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return output.transpose(1, 2).contiguous()
 
 
+def takes_engine_attention(model: torch.nn.Module) -> bool:
+    """Whether the model's attention modules call transformers' attention interface, which
+    :func:`use_engine_attention` switches; a model whose modules call their own kernels (Falcon, StableLM,
+    Qwen3-Next in transformers 5) would keep them, and sample through a cache the engine cannot share."""
+    return bool(getattr(type(model), "_supports_attention_backend", False))
+
+
 def use_engine_attention(model: torch.nn.Module) -> None:
     """Switches ``model`` (a transformers model using ``sdpa``) to :func:`engine_attention`."""
     global _registered

@@ -66,9 +66,11 @@ class Layout(NamedTuple):
 
 
 def fused_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(path, module) of every module of ``model`` that holds 3-D (fused expert) parameters itself."""
+    """(path, module) of every module of ``model`` that holds 3-D (fused expert) parameters itself; a
+    convolution's 3-D weight (Qwen3-Next's short convolutions) is not one."""
     return [(path, module) for path, module in model.named_modules()
-            if any(p.dim() == 3 for p in module.parameters(recurse=False))]
+            if not isinstance(module, torch.nn.modules.conv._ConvNd)
+            and any(p.dim() == 3 for p in module.parameters(recurse=False))]
 
 
 def unsupported(module: torch.nn.Module) -> str | None:

@@ -3,8 +3,8 @@ whether the CPU path's own attention (shared-prompt decode, shared-prefix traini
 
 Gemma 2 and 3 cap their logits (``cap·tanh(logits / cap)``) inside ``ForCausalLM.forward``, which the engine
 bypasses (it unembeds only the positions it needs), so the cap is applied by the engine's own head functions.
-Sliding-window layers and attention-logit soft caps are beyond the CPU path's attention kernels: such models
-run the portable path (the CUDA path's code) on the CPU too.
+Sliding-window layers, attention-logit soft caps and multi-head latent attention are beyond the CPU path's
+attention kernels: such models run the portable path (the CUDA path's code) on the CPU too.
 
 gpt-oss's checkpoints keep the experts in MXFP4 (4-bit values, a shared exponent per 32). transformers would keep
 them so where Triton and the ``kernels`` package are installed (replacing the experts with modules no LoRA
@@ -73,9 +73,30 @@ def layer_windows(config: Any) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in types]
 
 
+def multi_latent_attention(config: Any) -> bool:
+    """Whether the model's attention is multi-head latent attention (DeepSeek-V2/V3, Kimi K2, MiniCPM3): keys and
+    values come out of a low-rank latent, and the values' head size differs from the queries' and keys'."""
+    return getattr(text_config(config), "kv_lora_rank", None) is not None
+
+
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+STATELESS_LAYER_TYPES = frozenset({"moe", "mlp"})  # Nemotron-H's MLP-only blocks
+
+
+def recurrent_layer_types(config: Any) -> list[str]:
+    """The config's layer types that carry a recurrent state instead of keys and values (Mamba, linear
+    attention, short convolutions, the hybrids' both: Falcon-H1, Granite 4, Qwen3-Next, Jamba, Nemotron-H), in
+    order of first appearance; empty for a transformer."""
+    text = text_config(config)
+    types = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or ()
+    return list(dict.fromkeys(kind for kind in types if kind not in ATTENTION_LAYER_TYPES | STATELESS_LAYER_TYPES))
+
+
 def cpu_kernels_cover(config: Any) -> bool:
-    """Whether the CPU path's tuned attention and head serve this model (no soft caps, no sliding windows)."""
-    return not (final_softcap(config) or attention_softcap(config) or uses_sliding_windows(config))
+    """Whether the CPU path's tuned attention and head serve this model (no soft caps, no sliding windows, no
+    latent attention)."""
+    return not (final_softcap(config) or attention_softcap(config) or uses_sliding_windows(config)
+                or multi_latent_attention(config))
 
 
 def load_options(config: Any) -> dict[str, Any]:

@@ -24,9 +24,15 @@ from localtinker.engine.expert_lora import ExpertAdapters, adapters_of, expert_r
 from localtinker.engine.families import text_config
 from localtinker.engine.merged_lora import forget_layers, lora_layers, merged_output, unmerge
 
-# Llama-family projection names (SmolLM2, Llama, Qwen2/3, Mistral all use them).
-ATTENTION_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+# The projections each of Tinker's groups adapts, by module name (peft matches a module whose name ends with one):
+# the Llama family's (SmolLM2, Llama, Qwen2/3, Mistral, Gemma, Granite, Cohere, OLMo, ...), then the other
+# families' own: Phi-3's fused qkv and gate/up, latent attention's down and up projections (DeepSeek-V2/V3,
+# MiniCPM3), Falcon's and GPT-NeoX's fused qkv, attention output and MLP, Phi-2's MLP. A group whose layers
+# have none of these is refused when asked for (AdapterHost.add_adapter), never trained in part silently.
+ATTENTION_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "q_a_proj", "q_b_proj",
+                                      "kv_a_proj_with_mqa", "kv_b_proj", "query_key_value", "dense")
+MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "dense_h_to_4h", "dense_4h_to_h",
+                                "fc1", "fc2")
 UNEMBED_MODULES: tuple[str, ...] = ("lm_head",)
 LORA_ALPHA = 32  # Tinker's convention: scaling = alpha / rank.
 
@@ -80,7 +86,7 @@ class AdapterHost:
         )
         name = f"adapter{self._counter}"
         self._counter += 1
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), _peft_targets_as_named(bool(fused)):
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), peft_targets_as_named():
             # peft warns that lm_head is tied to the embeddings; the LoRA delta is deliberately lm_head-only.
             warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
             warnings.filterwarnings("ignore", category=FutureWarning)
@@ -206,13 +212,12 @@ def _adaptable(experts: list[tuple[str, torch.nn.Module]]) -> list[tuple[str, to
 
 
 @contextmanager
-def _peft_targets_as_named(enabled: bool) -> Iterator[None]:
+def peft_targets_as_named() -> Iterator[None]:
     """Keeps peft on transformers 5 from turning the MLP target names into LoRA on the fused experts' 3-D
-    parameters (its conversion for adapters of transformers 4 MoE models): those are expert_lora.py's here, and
-    the names then reach only the linears they name (a dense layer's or a shared expert's MLP)."""
-    if not enabled:
-        yield
-        return
+    parameters (its conversion for adapters of transformers 4 MoE models, by model type): those are
+    expert_lora.py's here, and the names then reach only the linears they name (a dense layer's or a shared
+    expert's MLP). Also where a model of an MoE type has no fused experts at all: converted, the names would
+    reach none of its dense MLPs (a DeepSeek-V3 whose layers are all dense)."""
     from peft.utils import transformers_weight_conversion as conversion
 
     convert = conversion.convert_peft_config_for_transformers

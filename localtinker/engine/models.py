@@ -18,10 +18,13 @@ import torch
 from localtinker.engine.api import EngineUserError, UnknownModelError
 from localtinker.engine.bf16_head import Bf16Head
 from localtinker.engine.bf16_matmul import bf16_matmul_is_fast
-from localtinker.engine.attention import use_engine_attention
-from localtinker.engine.families import architecture, context_length, cpu_kernels_cover, load_options
+from localtinker.engine.attention import takes_engine_attention, use_engine_attention
+from localtinker.engine.families import (
+    architecture, context_length, cpu_kernels_cover, load_options, recurrent_layer_types,
+)
 from localtinker.engine.hub_cache import register_tokenizer
 from localtinker.engine.model_memory import check_weights_fit
+from localtinker.engine.output_head import check_output_head, fold_logit_multiplier
 from localtinker.engine.packaged import SMOLLM2_NAME, cached_model_dir, localtinker_home, smollm2_hf_dir
 
 TINY_RANDOM_NAME = "localtinker/tiny-random"
@@ -101,9 +104,10 @@ def resolve_model_dir(name: str) -> str:
 
 def load_base_model(name: str, dtype: str, device: torch.device | None = None, portable: bool | None = None) -> BaseModel:
     """Loads ``name`` frozen, in ``dtype``, on ``device`` (default CPU); raises :class:`UnknownModelError` when it
-    cannot be found. ``portable`` None: the portable path off the CPU, and on the CPU for models whose
-    attention the tuned CPU kernels do not cover (families.py); True forces it (tests run the CUDA path's code
-    on the CPU that way)."""
+    cannot be found, and :class:`EngineUserError` when the engine's head would not compute its own logits
+    (output_head.py). ``portable`` None: the portable path off the CPU, and on the CPU for models whose
+    attention the tuned CPU kernels do not cover (families.py, or modules that bypass transformers' attention
+    interface); True forces it (tests run the CUDA path's code on the CPU that way)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
@@ -113,8 +117,7 @@ def load_base_model(name: str, dtype: str, device: torch.device | None = None, p
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         config = AutoConfig.from_pretrained(source)
-        if portable is None:
-            portable = device.type != "cpu" or not cpu_kernels_cover(config)
+        refuse_recurrent_layers(name, config)
         placement = {"device_map": str(device)} if device.type != "cpu" else {}
         check_weights_fit(name, config, DTYPES[dtype], device)  # before reading any weight (model_memory.py)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], **placement, **load_options(config))
@@ -124,6 +127,10 @@ def load_base_model(name: str, dtype: str, device: torch.device | None = None, p
             f"{SMOLLM2_NAME!r}, {TINY_RANDOM_NAME!r}, a local HF model directory, or a hub id on a machine "
             "with network access."
         ) from error
+    fold_logit_multiplier(model)
+    check_output_head(name, model)
+    if portable is None:
+        portable = device.type != "cpu" or not cpu_kernels_cover(config) or not takes_engine_attention(model)
     if source != name:
         register_tokenizer(name, Path(source))
     if portable:
@@ -137,6 +144,19 @@ def load_base_model(name: str, dtype: str, device: torch.device | None = None, p
     if getattr(model.config, "_attn_implementation", None) == "sdpa":
         use_engine_attention(model)  # bf16 products with a float32 softmax; the sampler's shared prompts in all
     return _frozen(name, model, tokenizer, source)
+
+
+def refuse_recurrent_layers(name: str, config: object) -> None:
+    """Refuses, before any weight is read, a model with layers that keep a recurrent state (state-space or
+    linear-attention layers, families.recurrent_layer_types): localtinker packs several sequences into one row to
+    train and samples over a cache of keys and values, and neither keeps such a state apart per sequence."""
+    kinds = recurrent_layer_types(config)
+    if kinds:
+        raise EngineUserError(
+            f"base model {name!r} ({architecture(config)}) has layers of type {', '.join(kinds)}: state-space or "
+            "linear-attention layers, which carry a recurrent state. localtinker trains packed sequences and samples "
+            "over a key/value cache, and runs transformer models only (every layer full or sliding-window "
+            "attention); nothing was loaded. Use a transformer model, or hosted Tinker for this one.")
 
 
 def _frozen(name: str, model: torch.nn.Module, tokenizer: object | None, tokenizer_id: str, *, portable: bool = False) -> BaseModel:

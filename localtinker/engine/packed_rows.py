@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from localtinker.engine.attention import takes_engine_attention
 from localtinker.engine.families import attention_softcap
 from localtinker.engine.packed_layout import PackedBatch, packed_batches
 from localtinker.engine.portable_attention import flash_takes, varlen_rows
@@ -82,7 +83,11 @@ def packed_token_rows(
 ) -> Iterator[TokenRows]:
     """Hidden states of every datum position, one packed micro-batch of at most ``budget`` tokens at a time;
     through ``layers`` (packed_layers.py) where given and it computes the active adapter, else transformers'
-    layers. Through ``layers``, datums that share a prompt run it once (packed_layout.py, :data:`SHARE_PROMPTS`)."""
+    layers. Through ``layers``, datums that share a prompt run it once (packed_layout.py, :data:`SHARE_PROMPTS`).
+    A decoder whose attention modules bypass transformers' attention interface (Falcon, StableLM) would attend
+    across the datums of a packed row: each of its datums runs alone."""
+    if not takes_engine_attention(decoder):
+        budget = 1  # (a datum longer than the budget runs alone)
     share = SHARE_PROMPTS and layers is not None and layers.computes_active_adapter()
     for batch in packed_batches(tokens, targets, budget, share):
         yield packed_rows(decoder, batch, device, layers)

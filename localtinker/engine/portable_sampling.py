@@ -29,7 +29,7 @@ import torch
 
 from localtinker.engine.api import EngineUserError, SampledSequence, SampleResult, SampleSpec
 from localtinker.engine.chunked_logprobs import chunked_token_logprobs, output_logits
-from localtinker.engine.families import final_softcap, text_config
+from localtinker.engine.families import final_softcap
 from localtinker.engine.kv_rows import RowCache, first_used_column, left_pad, select_rows
 from localtinker.engine.memory_errors import SAMPLING_REMEDY, device_memory_error
 from localtinker.engine.model_memory import available_bytes
@@ -330,19 +330,30 @@ class _Batch:
 
 def cache_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of keys and values one token holds in the sampler's cache of ``model``: each layer's k and v
-    projections' outputs, in the model's dtype (as the static decoder and the dynamic cache keep them). A layer
-    without separate k and v projections (a fused qkv) is sized from the config: kv heads × head dim, twice."""
+    projections' outputs, in the model's dtype (as the static decoder and the dynamic cache keep them). Where a
+    layer has no separate k and v projections (a fused qkv, latent attention, whose cache transformers keeps
+    compressed) or the decoder's layers are not ``layers``, it is measured: what transformers' cache holds after
+    a prompt of two tokens."""
     dtype = next(model.parameters()).dtype
-    config = text_config(model.config)
-    heads = int(config.num_attention_heads)
-    fallback = 2 * int(getattr(config, "num_key_value_heads", None) or heads) * int(
-        getattr(config, "head_dim", None) or config.hidden_size // heads)
-    per_layer = []
-    for layer in model.get_decoder().layers:
+    widths = []
+    for layer in getattr(model.get_decoder(), "layers", None) or ():
         attention = getattr(layer, "self_attn", None)
         k, v = getattr(attention, "k_proj", None), getattr(attention, "v_proj", None)
-        per_layer.append(fallback if k is None or v is None else frozen_layer(k).out_features + frozen_layer(v).out_features)
-    return sum(per_layer) * dtype.itemsize
+        if k is None or v is None:
+            return _measured_cache_bytes_per_token(model)
+        widths.append(frozen_layer(k).out_features + frozen_layer(v).out_features)
+    return sum(widths) * dtype.itemsize if widths else _measured_cache_bytes_per_token(model)
+
+
+def _measured_cache_bytes_per_token(model: torch.nn.Module, tokens: int = 2) -> int:
+    device = model.get_output_embeddings().weight.device
+    with torch.no_grad():
+        cache = model(input_ids=torch.zeros(1, tokens, dtype=torch.long, device=device), use_cache=True,
+                      logits_to_keep=1).past_key_values
+    held = sum(tensor.nbytes for layer in cache.layers for tensor in (getattr(layer, "keys", None),
+                                                                         getattr(layer, "values", None))
+               if isinstance(tensor, torch.Tensor))
+    return held // tokens
 
 
 def projected_cache_bytes(requests: list[_Request], bytes_per_token: dict[str, int]) -> int:

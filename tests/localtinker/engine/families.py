@@ -21,8 +21,8 @@ _COMMON = dict(
 
 def _configs() -> dict[str, object]:
     from transformers import (
-        Gemma2Config, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
-        Qwen3MoeConfig,
+        Cohere2Config, DeepseekV3Config, FalconConfig, Phi3Config, Gemma2Config, Gemma3TextConfig, GptOssConfig, GraniteConfig,
+        LlamaConfig, MiniCPM3Config, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
     )
 
     return {
@@ -52,11 +52,33 @@ def _configs() -> dict[str, object]:
         "mistral_sliding": MistralConfig(**_COMMON, head_dim=16, sliding_window=8, tie_word_embeddings=False),
         "qwen2_sliding": Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=1,
                                      tie_word_embeddings=True),
+        # brought from the hub (BROUGHT_FAMILIES): Granite's µP multipliers, the logits divided by 4
+        "granite": GraniteConfig(**_COMMON, logits_scaling=4.0, embedding_multiplier=3.0, residual_multiplier=0.5,
+                                 attention_multiplier=0.2, tie_word_embeddings=True),
+        # Command R7B: logits times 1/4, LayerNorm, a sliding and a full layer, parallel attention and MLP
+        "cohere2": Cohere2Config(**_COMMON, head_dim=16, logit_scale=0.25, sliding_window=8,
+                                 layer_types=["sliding_attention", "full_attention"]),
+        # latent attention: queries, keys and values out of low-rank latents, values of another head size
+        "minicpm3": MiniCPM3Config(**{**_COMMON, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=16,
+                                   qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, dim_model_base=32,
+                                   scale_emb=2.0, tie_word_embeddings=False),
+        "deepseek_v3": DeepseekV3Config(**{**_COMMON, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=16,
+                                        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
+                                        first_k_dense_replace=2, tie_word_embeddings=False),  # dense layers
+        # attention modules of its own (not transformers' attention interface), a fused qkv, GELU
+        "falcon": FalconConfig(**{key: value for key, value in _COMMON.items()
+                                  if key not in ("intermediate_size", "num_key_value_heads")},
+                               new_decoder_architecture=True, num_kv_heads=2),
+        # fused qkv and gate/up projections (LoRA names of its own)
+        "phi3": Phi3Config(**_COMMON, tie_word_embeddings=False),
     }
 
 
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "qwen3_moe", "gpt_oss")
 SLIDING_FAMILIES: tuple[str, ...] = ("mistral_sliding", "qwen2_sliding")  # families above, with a window of 8
+# Beyond the families Tinker hosts: each one a kind of difference the engine must handle (output_head.py,
+# families.multi_latent_attention, attention.takes_engine_attention)
+BROUGHT_FAMILIES: tuple[str, ...] = ("granite", "cohere2", "minicpm3", "deepseek_v3", "falcon", "phi3")
 _JITTERED = ("norm", "sinks", "bias")  # parameters that start at exactly 1 or 0 (biases and sinks: gpt-oss's only)
 
 

@@ -12,6 +12,7 @@ import torch
 from localtinker.engine import chunked_logprobs, engine as engine_module, portable_sampling
 from localtinker.engine.api import LoraSpec, SampleSpec
 from localtinker.engine.engine import LocalEngine
+from tests.localtinker.engine.families import family_dir
 from tests.localtinker.engine.reference import TINY, sft_datum
 
 LORA = LoraSpec(rank=4, seed=5)
@@ -214,3 +215,18 @@ def test_a_model_with_fused_qkv_is_sized_from_its_config():
     model = Phi3ForCausalLM(config).to(torch.bfloat16)
     assert not hasattr(model.get_decoder().layers[0].self_attn, "k_proj")
     assert portable_sampling.cache_bytes_per_token(model) == 3 * 2 * 2 * 16 * 2
+
+
+@pytest.mark.parametrize("family", ["phi3", "deepseek_v3", "minicpm3", "falcon"])
+def test_the_bytes_per_token_of_families_sized_from_their_config_are_what_transformers_caches(family):
+    """Fused qkv (Phi-3), latent attention (DeepSeek-V3, MiniCPM3: keys and values cached expanded, values of
+    their own head size) and a decoder whose layers are not ``layers`` (Falcon's ``h``, with its own name for the
+    kv heads): cache_bytes_per_token is what transformers' dynamic cache holds per token of a prompt."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32)
+    prompt = torch.arange(1, 12)[None]
+    with torch.no_grad():
+        cache = model(input_ids=prompt, use_cache=True).past_key_values
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    assert portable_sampling.cache_bytes_per_token(model) * prompt.shape[1] == held
