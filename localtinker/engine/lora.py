@@ -107,6 +107,16 @@ class AdapterHost:
                 f"LoRA target modules {config.target_modules} match no layer of this base model; only "
                 "Llama-style projection names (q_proj, gate_proj, lm_head, ...) are supported."
             )
+        untrained = untrained_projections(self.model, spec, name)
+        if untrained:
+            self.delete_adapter(name)
+            raise EngineUserError(
+                f"LoRA would leave projections of this {text_config(self.model.config).model_type!r} model's layers "
+                f"untrained: {', '.join(untrained)}. localtinker adapts projections by name (attention: "
+                f"{', '.join(ATTENTION_MODULES)}; MLP: {', '.join(MLP_MODULES)}) and trains no group in part. Create "
+                "the training client with train_attn=False or train_mlp=False for that group, or use a model whose "
+                "projections have these names."
+            )
         self._active = None  # peft may have changed the active adapter
         self._layouts[name] = _layout(spec)
         return name
@@ -190,6 +200,42 @@ class AdapterHost:
                 self._peft.base_model.set_adapter(name)
                 self._active = name
         yield
+
+
+_ATTENTION_BLOCKS = ("self_attn", "self_attention", "attention", "attn")
+_MLP_BLOCKS = ("mlp", "feed_forward", "block_sparse_moe", "ffn")
+_LORA_PARTS = frozenset({"base_layer", "lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"})
+
+
+def untrained_projections(model: torch.nn.Module, spec: LoraSpec, name: str) -> list[str]:
+    """The linears of the groups ``spec`` trains (each decoder layer's attention and MLP blocks) that adapter
+    ``name`` leaves without LoRA, by their path in the layer (``mlp.c_fc``): a family whose projections have
+    names :data:`ATTENTION_MODULES` / :data:`MLP_MODULES` lack would otherwise train in part, silently. An
+    MoE's router and a shared expert's scalar gate (names ending in ``gate`` or ``router``) take none, as on
+    hosted Tinker; fused experts are expert_lora.py's, not linears."""
+    decoder = model.get_decoder()
+    layers = next((child for child in decoder.children() if isinstance(child, torch.nn.ModuleList)), ())
+    blocks = (_ATTENTION_BLOCKS if spec.train_attn else ()) + (_MLP_BLOCKS if spec.train_mlp else ())
+    untrained: dict[str, None] = {}
+    for layer in layers:
+        for block_name in blocks:
+            block = getattr(layer, block_name, None)
+            if not isinstance(block, torch.nn.Module):
+                continue
+            for path, module in block.named_modules():
+                parts = path.split(".")
+                if _LORA_PARTS & set(parts) or parts[-1].endswith(("gate", "router")):
+                    continue
+                lora_a = getattr(module, "lora_A", None)
+                if isinstance(lora_a, torch.nn.ModuleDict):
+                    adapted = name in lora_a
+                elif type(module) is torch.nn.Linear or type(module).__name__ == "Conv1D":  # GPT-2's linears
+                    adapted = False
+                else:
+                    continue
+                if not adapted:
+                    untrained[f"{block_name}.{path}"] = None
+    return list(untrained)
 
 
 def _named_in(model: torch.nn.Module, targets: Any) -> bool:

@@ -115,6 +115,10 @@ def check_output_head(name: str, model: torch.nn.Module) -> None:
     engine's head, ``lm_head`` of the decoder's last hidden state and the final soft cap, on a probe of
     :data:`PROBE_TOKENS` tokens spread over the vocabulary. Two forwards of a few tokens: milliseconds on the
     CPU for the default model, a fraction of a second for an 8B model."""
+    if model.get_decoder() is model:
+        raise EngineUserError(
+            f"base model {name!r} ({architecture(model.config)}): {type(model).__name__}.get_decoder() returns the "
+            "causal LM itself, so localtinker cannot run its decoder apart from its head; nothing was loaded.")
     vocab = int(getattr(text_config(model.config), "vocab_size", None) or model.config.vocab_size)
     device = model.get_output_embeddings().weight.device
     probe = (torch.arange(1, PROBE_TOKENS + 1, device=device) * (vocab // (PROBE_TOKENS + 1)))[None]

@@ -51,15 +51,19 @@ def peft_state_dict(adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return {peft_key(key): tensor.detach().contiguous() for key, tensor in adapter.items()}
 
 
-def peft_config(base_model: str, lora: LoraSpec):
-    """peft's own ``LoraConfig`` for an engine adapter (Tinker's alpha 32: scaling = alpha / rank)."""
+def peft_config(base_model: str, lora: LoraSpec, adapter: dict[str, torch.Tensor] | None = None):
+    """peft's own ``LoraConfig`` for an engine adapter (Tinker's alpha 32: scaling = alpha / rank). Its target
+    modules are the names of the modules ``adapter`` adapts (an expert projection's too: experts' tensors are
+    converted for peft on export, resources/hf_export/tinker_format.py), not every name localtinker would adapt
+    in some family (lora.py): a loader that checks the names against the model finds each of them."""
     from peft import LoraConfig
 
+    targets = sorted({key.rsplit(".", 2)[-2] for key in adapter}) if adapter else target_module_names(lora)
     return LoraConfig(
         r=lora.rank,
         lora_alpha=LORA_ALPHA,
         lora_dropout=0.0,
-        target_modules=target_module_names(lora),
+        target_modules=targets,
         bias="none",
         task_type="CAUSAL_LM",
         base_model_name_or_path=base_model,
@@ -69,7 +73,7 @@ def peft_config(base_model: str, lora: LoraSpec):
 def write_peft_adapter(directory: Path, adapter: dict[str, torch.Tensor], base_model: str, lora: LoraSpec) -> None:
     """Writes ``adapter_model.safetensors`` and ``adapter_config.json`` into ``directory``."""
     save_file(peft_state_dict(adapter), str(directory / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
-    peft_config(base_model, lora).save_pretrained(str(directory))
+    peft_config(base_model, lora, adapter).save_pretrained(str(directory))
 
 
 def save_external_weights(

@@ -62,13 +62,15 @@ def _configs() -> dict[str, object]:
         "minicpm3": MiniCPM3Config(**{**_COMMON, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=16,
                                    qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, dim_model_base=32,
                                    scale_emb=2.0, tie_word_embeddings=False),
-        "deepseek_v3": DeepseekV3Config(**{**_COMMON, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=16,
-                                        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
-                                        first_k_dense_replace=2, tie_word_embeddings=False),  # dense layers
         # attention modules of its own (not transformers' attention interface), a fused qkv, GELU
         "falcon": FalconConfig(**{key: value for key, value in _COMMON.items()
                                   if key not in ("intermediate_size", "num_key_value_heads")},
                                new_decoder_architecture=True, num_kv_heads=2),
+        # latent attention and routed experts (grouped top-k with a score-correction bias) behind a dense layer
+        "deepseek_v3_moe": DeepseekV3Config(**{**_COMMON, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=16,
+                                            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                                            num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                                            n_group=1, topk_group=1, tie_word_embeddings=False),
         # fused qkv and gate/up projections (LoRA names of its own)
         "phi3": Phi3Config(**_COMMON, tie_word_embeddings=False),
     }
@@ -78,7 +80,7 @@ FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "ge
 SLIDING_FAMILIES: tuple[str, ...] = ("mistral_sliding", "qwen2_sliding")  # families above, with a window of 8
 # Beyond the families Tinker hosts: each one a kind of difference the engine must handle (output_head.py,
 # families.multi_latent_attention, attention.takes_engine_attention)
-BROUGHT_FAMILIES: tuple[str, ...] = ("granite", "cohere2", "minicpm3", "deepseek_v3", "falcon", "phi3")
+BROUGHT_FAMILIES: tuple[str, ...] = ("granite", "cohere2", "minicpm3", "deepseek_v3_moe", "falcon", "phi3")
 _JITTERED = ("norm", "sinks", "bias")  # parameters that start at exactly 1 or 0 (biases and sinks: gpt-oss's only)
 
 

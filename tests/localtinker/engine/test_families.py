@@ -54,7 +54,8 @@ def _reference(family: str, lora: LoraSpec, weights: dict[str, torch.Tensor], tm
     if any(tensor.dim() == 3 for tensor in weights.values()):  # fused experts: peft's target_parameters LoRA
         write_peft_adapter(tmp_path, weights, str(family_dir(family)), lora)
         assert convert_tinker_adapter(tmp_path, base_layout(str(family_dir(family))))
-        return PeftModel.from_pretrained(model, tmp_path, is_trainable=True)
+        with peft_targets_as_named():  # a dense layer's and a shared expert's MLP keep their LoRA (DeepSeek-V3)
+            return PeftModel.from_pretrained(model, tmp_path, is_trainable=True)
     with peft_targets_as_named():  # as the engine adapts them: the names, not peft's MoE conversion of them
         peft_model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=LORA_ALPHA,
                                                       target_modules=target_module_names(lora)))
@@ -105,23 +106,68 @@ def test_sliding_windows_on_the_gpu_path(family, tmp_path):
 def test_models_brought_from_the_hub_equal_their_own_forward(family, tmp_path):
     """Beyond the families Tinker hosts, one of each kind of difference: Granite divides its logits by 4 and
     Cohere 2 multiplies them by 1/4 (folded into the final norm at load: output_head.py); MiniCPM3 (which also
-    scales its logits) and DeepSeek-V3 attend through low-rank latents; Falcon's attention modules bypass
+    scales its logits) and DeepSeek-V3 attend through low-rank latents (DeepSeek-V3 with routed and shared
+    experts behind a dense layer); Falcon's attention modules bypass
     transformers' attention interface; Phi-3's projections are fused (qkv, gate/up) under names of its own. On
     the CPU's default engine each trains and samples as its own forward,
     its LoRA gradients are peft's on the model as saved (an exported adapter is the one trained), and the last
     three, which the CPU path's attention does not cover, run the portable path."""
     engine = LocalEngine(tmp_path / "engine", dtype="float32")
-    if family in ("phi3", "falcon", "deepseek_v3"):  # every projection of theirs carries LoRA, not o_proj alone
+    if family in ("phi3", "falcon", "deepseek_v3_moe"):  # every projection of theirs carries LoRA, not o_proj alone
         engine.create_model("names", str(family_dir(family)), LORA)
-        adapted = {key.rsplit(".", 2)[-2] for key in engine.lora_weights("names")}
+        keys = list(engine.lora_weights("names"))
+        adapted = {key.rsplit(".", 2)[-2] for key in keys}
         engine.unload_model("names")
+        if family == "deepseek_v3_moe":  # the dense layer's MLP, the shared experts and the routed ones
+            assert {"layers.0.mlp.gate_proj", "layers.1.mlp.shared_experts.gate_proj", "layers.1.mlp.experts.gate_proj"} \
+                <= {key.split("model.", 1)[-1].rsplit(".", 1)[0] for key in keys}
         assert adapted >= {"phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
                            "falcon": {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"},
-                           "deepseek_v3": {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
-                                           "gate_proj", "up_proj", "down_proj"}}[family]
+                           "deepseek_v3_moe": {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                                               "gate_proj", "up_proj", "down_proj"}}[family]
     check_family(engine, family, TOLERANCE, tmp_path)
     portable = engine._hosts[str(family_dir(family))].base.portable
-    assert portable == (family in ("cohere2", "minicpm3", "deepseek_v3", "falcon"))  # cohere2: its sliding layer
+    assert portable == (family in ("cohere2", "minicpm3", "deepseek_v3_moe", "falcon"))  # cohere2: its sliding layer
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3_moe"])
+def test_expert_lora_equals_the_weights_it_merges_into(family, tmp_path):
+    """An MoE adapter as the weights it stands for: every linear's W + s·B·A and every expert's gate, up and down
+    rows + s·B_e·A_e (s the adapter's alpha / rank, as tinker-cookbook merges them), merged into the model as
+    saved, give the engine's logprobs. Qwen3-MoE (also checked against peft above) shows the reference right;
+    DeepSeek-V3's routed experts (grouped top-k with a score-correction bias, shared experts beside them) are
+    not a layout peft's conversion of the adapter reaches, so this is their reference."""
+    engine = LocalEngine(tmp_path / "engine", dtype="float32")
+    directory = str(family_dir(family))
+    engine.create_model("moe", directory, LORA)
+    weights = _random_lora(engine, "moe")
+    assert {key.rsplit(".", 2)[-2] for key, tensor in weights.items() if tensor.dim() == 3} == {
+        "gate_proj", "up_proj", "down_proj"}
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    params, scaling = dict(reference.named_parameters()), LORA_ALPHA / LORA.rank
+    with torch.no_grad():
+        for key, a in weights.items():
+            if not key.endswith(".lora_A"):
+                continue
+            module, b = key.removesuffix(".lora_A"), weights[key.removesuffix("lora_A") + "lora_B"]
+            if a.dim() == 2:  # a new parameter: a tied unembedding's LoRA is the unembedding's alone
+                linear = reference.get_submodule(module)
+                linear.weight = torch.nn.Parameter(linear.weight.detach() + scaling * b @ a)
+                continue
+            holder, projection = module.rsplit(".", 1)
+            delta = scaling * torch.bmm(b, a)  # [experts, out, in], as transformers keeps gate_up_proj, down_proj
+            if projection == "down_proj":
+                params[f"{holder}.down_proj"].add_(delta)
+            else:
+                rows = delta.shape[1]
+                gate_up = params[f"{holder}.gate_up_proj"]
+                (gate_up[:, :rows] if projection == "gate_proj" else gate_up[:, rows:]).add_(delta)
+    sequence = np.random.default_rng(0).integers(0, 49152, size=24)
+    result = engine.forward_backward("moe", [_datum(sequence)], "cross_entropy", None, True)
+    with torch.no_grad():
+        logits = reference(input_ids=torch.as_tensor(sequence[:-1])[None]).logits[0]
+    expected = logits.log_softmax(-1).gather(-1, torch.as_tensor(sequence[1:])[:, None]).squeeze(-1)
+    np.testing.assert_allclose(result.loss_fn_outputs[0]["logprobs"], expected.numpy(), atol=TOLERANCE, rtol=0)
 
 
 def check_family(engine: LocalEngine, family: str, tolerance: float, tmp_path) -> None:

@@ -94,3 +94,34 @@ def test_a_convolutions_weight_is_not_taken_for_fused_experts():
     """Qwen3-Next's short convolutions hold 3-D weights: the MoE check named them "MLP experts"."""
     model = torch.nn.Sequential(torch.nn.Conv1d(4, 4, 3, groups=4), torch.nn.Linear(4, 4))
     assert fused_experts(model) == []
+
+
+def test_a_family_whose_projections_have_other_names_is_refused_rather_than_trained_in_part(tmp_path):
+    """StarCoder2's MLP is ``c_fc`` / ``c_proj``, names localtinker does not adapt: an adapter with the MLP
+    would train its attention alone. It is refused naming them, and nothing of it stays; without the MLP group
+    the same model trains."""
+    from transformers import AutoTokenizer, Starcoder2Config, Starcoder2ForCausalLM
+
+    from localtinker.engine.packaged import smollm2_hf_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_hf_dir())
+    config = Starcoder2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id)
+    Starcoder2ForCausalLM(config).save_pretrained(tmp_path / "starcoder2")
+    tokenizer.save_pretrained(tmp_path / "starcoder2")
+    engine = LocalEngine(tmp_path / "engine", dtype="float32")
+    with pytest.raises(EngineUserError, match=r"'starcoder2' model's layers untrained: mlp\.c_fc, mlp\.c_proj\..*"
+                                              r"train_mlp=False"):
+        engine.create_model("m", str(tmp_path / "starcoder2"), LoraSpec(rank=4, seed=0))
+    assert "m" not in engine._models
+    engine.create_model("m", str(tmp_path / "starcoder2"), LoraSpec(rank=4, seed=0, train_mlp=False))
+    adapted = {key.rsplit(".", 2)[-2] for key in engine.lora_weights("m")}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "lm_head"}
+
+
+def test_a_model_whose_decoder_is_the_causal_lm_itself_is_refused(monkeypatch):
+    """Llama 4's text model answers get_decoder() with itself: its decoder cannot be run apart from its head."""
+    model = AutoModelForCausalLM.from_pretrained(family_dir("llama"), dtype=torch.float32)
+    monkeypatch.setattr(model, "get_decoder", lambda: model)
+    with pytest.raises(EngineUserError, match=r"get_decoder\(\) returns the causal LM itself"):
+        check_output_head("llama-4-like", model)

@@ -217,7 +217,7 @@ def test_a_model_with_fused_qkv_is_sized_from_its_config():
     assert portable_sampling.cache_bytes_per_token(model) == 3 * 2 * 2 * 16 * 2
 
 
-@pytest.mark.parametrize("family", ["phi3", "deepseek_v3", "minicpm3", "falcon"])
+@pytest.mark.parametrize("family", ["phi3", "deepseek_v3_moe", "minicpm3", "falcon"])
 def test_the_bytes_per_token_of_families_sized_from_their_config_are_what_transformers_caches(family):
     """Fused qkv (Phi-3), latent attention (DeepSeek-V3, MiniCPM3: keys and values cached expanded, values of
     their own head size) and a decoder whose layers are not ``layers`` (Falcon's ``h``, with its own name for the
