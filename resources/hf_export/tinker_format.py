@@ -123,10 +123,14 @@ def experts_as_peft(weights: dict[str, torch.Tensor], config: dict,
     patterns = {rf".*\.{re.escape(target)}": rank for target, rank in ranks.items()}
     dense = {key.removesuffix(".weight").rpartition(".")[0].rpartition(".")[2]  # the linears' names
              for key, t in converted.items() if t.dim() == 2}
+    # A dense MLP's linears beside the experts (DeepSeek's first layers, a shared expert) go as parameters
+    # "<name>.weight": in target_modules, peft would turn their names into the experts' (its transformers 5
+    # conversion, by model type) and load no LoRA on them. As a parameter, a linear's LoRA is the same product.
+    names = config.get("target_modules") or []
+    mlp = sorted(name for name in names if name in _PROJECTIONS and name in dense)
     config = {**config,
-              "target_modules": sorted(name for name in config.get("target_modules") or []
-                                       if name not in _PROJECTIONS or name in dense) or None,
-              "target_parameters": sorted(ranks),
+              "target_modules": sorted(name for name in names if name not in _PROJECTIONS) or None,
+              "target_parameters": sorted(ranks) + [f"{name}.weight" for name in mlp],
               "rank_pattern": {**(config.get("rank_pattern") or {}), **patterns},
               "alpha_pattern": {**(config.get("alpha_pattern") or {}),
                                 **{pattern: scaling * rank for pattern, rank in patterns.items()}}}

@@ -54,8 +54,7 @@ def _reference(family: str, lora: LoraSpec, weights: dict[str, torch.Tensor], tm
     if any(tensor.dim() == 3 for tensor in weights.values()):  # fused experts: peft's target_parameters LoRA
         write_peft_adapter(tmp_path, weights, str(family_dir(family)), lora)
         assert convert_tinker_adapter(tmp_path, base_layout(str(family_dir(family))))
-        with peft_targets_as_named():  # a dense layer's and a shared expert's MLP keep their LoRA (DeepSeek-V3)
-            return PeftModel.from_pretrained(model, tmp_path, is_trainable=True)
+        return PeftModel.from_pretrained(model, tmp_path, is_trainable=True)  # as a user loads it
     with peft_targets_as_named():  # as the engine adapts them: the names, not peft's MoE conversion of them
         peft_model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=LORA_ALPHA,
                                                       target_modules=target_module_names(lora)))

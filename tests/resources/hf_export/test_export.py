@@ -61,12 +61,14 @@ def test_export_with_merged_model_and_gguf_matches_the_server(clients, trained, 
     assert not [c for c in rest.list_user_checkpoints().result().checkpoints if c.checkpoint_type == "external"]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "gpt_oss-mxfp4"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "gpt_oss-mxfp4", "deepseek_v3_moe"])
 def test_moe_experts_export_as_a_peft_adapter_and_a_merged_model(clients, tmp_path: Path, family: str) -> None:
     """A Qwen3-MoE, and a gpt-oss (experts transposed, gate and up interleaved, biases, attention sinks; also
-    from an MXFP4 checkpoint, as the hub has it), trained with LoRA on their fused experts (localtinker's
-    expert_lora.py): the adapter loads with peft (its target_parameters) and the merged model with transformers
-    alone, both matching the server; a merged MXFP4 model is saved dense."""
+    from an MXFP4 checkpoint, as the hub has it), and a DeepSeek-V3 (latent attention; a dense layer, then
+    routed and shared experts), trained with LoRA on their fused experts (localtinker's expert_lora.py): the
+    adapter loads with peft (its target_parameters; DeepSeek's dense MLP linears as parameters too, which peft's
+    conversion of their names would otherwise strip) and the merged model with transformers alone, both matching
+    the server; a merged MXFP4 model is saved dense."""
     from safetensors import safe_open
 
     from tests.localtinker.engine.families import family_dir, mxfp4_family_dir
@@ -83,15 +85,17 @@ def test_moe_experts_export_as_a_peft_adapter_and_a_merged_model(clients, tmp_pa
     assert report.adapter_max_abs_logprob_diff <= ADAPTER_TOLERANCE
     assert report.merged_max_abs_logprob_diff <= MERGED_TOLERANCE and report.within_tolerance
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
-    assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    dense = ["down_proj.weight", "gate_proj.weight", "up_proj.weight"] if family == "deepseek_v3_moe" else []
+    assert sorted(config["target_parameters"]) == sorted(["mlp.experts.down_proj", "mlp.experts.gate_up_proj", *dense])
+    layer = 1 if family == "deepseek_v3_moe" else 0  # DeepSeek's first layer is dense
     with safe_open(str(out / "adapter" / "adapter_model.safetensors"), framework="pt") as saved:
-        expert_b = saved.get_tensor("base_model.model.model.layers.0.mlp.experts.lora_B.weight")
+        expert_b = saved.get_tensor(f"base_model.model.model.layers.{layer}.mlp.experts.lora_B.weight")
     assert expert_b.abs().max() > 0  # the experts trained: their merged weights differ from the base's
     from transformers import AutoModelForCausalLM
 
     assert "quantization_config" not in json.loads((out / "merged" / "config.json").read_text())
-    merged = AutoModelForCausalLM.from_pretrained(out / "merged").model.layers[0].mlp.experts.down_proj
-    original = AutoModelForCausalLM.from_pretrained(base).model.layers[0].mlp.experts.down_proj
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").model.layers[layer].mlp.experts.down_proj
+    original = AutoModelForCausalLM.from_pretrained(base).model.layers[layer].mlp.experts.down_proj
     assert (merged - original).abs().max() > 0
 
 

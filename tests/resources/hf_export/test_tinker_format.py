@@ -56,6 +56,21 @@ def test_peft_layout_ranks_and_scaling():
     torch.testing.assert_close(delta, expected)
 
 
+def test_dense_mlp_linears_beside_experts_go_as_parameters_peft_does_not_convert():
+    """A shared expert's (or a dense first layer's) gate/up/down linears keep their LoRA as target_parameters
+    ``<name>.weight``: as target_modules names, peft's transformers 5 conversion for DeepSeek's and Qwen2-MoE's
+    model types would turn them into the experts' parameters and load no LoRA on them. (That peft then loads such
+    an adapter as the engine trained it: test_families.py, DeepSeek-V3 with a dense layer and shared experts.)"""
+    adapter = _adapter()
+    shared = "base_model.model.model.layers.0.mlp.shared_experts"
+    adapter.update({f"{shared}.gate_proj.lora_A.weight": torch.ones(8, HIDDEN),
+                    f"{shared}.gate_proj.lora_B.weight": torch.ones(INTER, 8)})
+    weights, config = experts_as_peft(adapter, CONFIG)
+    assert config["target_modules"] == ["q_proj"]
+    assert config["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj", "gate_proj.weight"]
+    assert weights[f"{shared}.gate_proj.lora_A.weight"] is adapter[f"{shared}.gate_proj.lora_A.weight"]
+
+
 def test_w1_w3_w2_names_and_shared_factors_convert_alike():
     adapter = _adapter()
     renamed = {key.replace(".gate_proj.", ".w1.").replace(".up_proj.", ".w3.").replace(".down_proj.", ".w2."): t
