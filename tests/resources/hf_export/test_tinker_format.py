@@ -58,8 +58,8 @@ def test_peft_layout_ranks_and_scaling():
 
 def test_dense_mlp_linears_beside_experts_go_as_parameters_peft_does_not_convert():
     """A shared expert's (or a dense first layer's) gate/up/down linears keep their LoRA as target_parameters
-    ``<name>.weight``: as target_modules names, peft's transformers 5 conversion for DeepSeek's and Qwen2-MoE's
-    model types would turn them into the experts' parameters and load no LoRA on them. (That peft then loads such
+    ``<name>.weight``: as target_modules names, peft's transformers 5 conversion for DeepSeek's model types (and
+    GLM-4 MoE's, ERNIE 4.5 MoE's, ...) would turn them into the experts' parameters and load no LoRA on them. (That peft then loads such
     an adapter as the engine trained it: test_families.py, DeepSeek-V3 with a dense layer and shared experts.)"""
     adapter = _adapter()
     shared = "base_model.model.model.layers.0.mlp.shared_experts"
