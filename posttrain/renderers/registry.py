@@ -11,6 +11,7 @@ from functools import partial
 from typing import Any
 
 from posttrain.renderers.base import Renderer
+from posttrain.renderers.chat_template import ChatTemplateRenderer
 from posttrain.renderers.chatml import SMOLLM2_DEFAULT_SYSTEM_PROMPT, ChatMLRenderer
 from posttrain.renderers.deepseek_v3 import DeepSeekV3Renderer, DeepSeekV3ThinkingRenderer
 from posttrain.renderers.llama3 import Llama3Renderer
@@ -32,6 +33,7 @@ RENDERERS: dict[str, Callable[[Any], Renderer]] = {
     "qwen3_instruct": Qwen3InstructRenderer,
     "deepseekv3": DeepSeekV3Renderer,
     "deepseekv3_thinking": DeepSeekV3ThinkingRenderer,
+    "chat_template": ChatTemplateRenderer,
 }
 
 
@@ -46,12 +48,13 @@ def renderer_names(include_tml: bool = True) -> list[str]:
 
 def resolve_renderer_name(name: str, base_model: str | None = None, tokenizer: Any = None) -> str:
     """``name`` itself, or for ``auto`` the renderer recommended for ``base_model`` (by family name, else by
-    the control tokens of ``tokenizer``); a clear error when neither tells."""
+    the control tokens of ``tokenizer``, else the tokenizer's own chat template: ``chat_template``); a clear
+    error when none tells."""
     if name != AUTO:
         return name
     found = (recommended_renderer(base_model) if base_model else None) or (
         renderer_for_tokenizer(tokenizer) if tokenizer is not None else None
-    )
+    ) or ("chat_template" if getattr(tokenizer, "chat_template", None) else None)
     if found is None:
         raise RendererError(
             f"renderer 'auto' cannot tell the chat format of base model {base_model or '(unnamed)'!r}; set renderer "
