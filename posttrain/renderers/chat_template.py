@@ -5,8 +5,8 @@ A chat template is a program (Jinja), not a format: it may number turns, move th
 turns. What a renderer needs is a format: each message as a header, its content and what follows, the same
 wherever it sits. :class:`TemplateFormat` reads that format from the template by rendering a few conversations of
 sentinel contents (``tokenizer.apply_chat_template(..., tokenize=False)``) and cutting them where the sentinels
-are, then renders other probe conversations with it and compares them with the template's own renderings, text
-and tokens. A template that is not such a format is refused when the renderer is built, naming the probe it
+are, then renders other probe conversations with it and compares them with the template's own renderings: their
+text, then their tokens (a content is encoded on its own, as every renderer here encodes it). A template that is not such a format is refused when the renderer is built, naming the probe it
 renders otherwise, so a model is never trained on a format its template does not write.
 
 What the template writes before the first message (a BOS, a default system prompt) is the first message's
@@ -19,7 +19,7 @@ parts and tool calls are refused (a named renderer handles the families that hav
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.renderers.base import (
@@ -31,7 +31,7 @@ from posttrain.renderers.base import (
     parse_for_stop_token,
     template,
 )
-from posttrain.renderers.types import Message, ParseTermination, RendererError
+from posttrain.renderers.types import Message, ParseTermination, RendererError, TrainOnWhat
 
 _SENTINELS = {"system": "Sys7Sentinel", "user": "User7Sentinel", "user2": "Next7Sentinel", "assistant": "Asst7Sentinel"}
 
@@ -47,7 +47,7 @@ class TemplateFormat:
     stop: str  # the assistant's end-of-turn token
     strips: bool  # the template strips each content of surrounding whitespace
     closing: str = ""  # written after a finished conversation, not before a generation prompt (Phi-3's EOS)
-    leads: dict[str, str] | None = None  # role -> spaces its header ends with, kept with the content (below)
+    leads: dict[str, str] = field(default_factory=dict)  # role -> spaces its header ends with, kept with the content
 
 
 def read_format(tokenizer: Any) -> TemplateFormat:
@@ -130,7 +130,7 @@ def found_render(found: TemplateFormat, messages: Sequence[Message], generation:
     for index, message in enumerate(messages):
         role, text = message["role"], message["content"]
         body = text.strip() if found.strips else text
-        parts += [_header(found, role, index), found.leads[role] + body, found.endings[role]]
+        parts += [_header(found, role, index), found.leads.get(role, "") + body, found.endings[role]]
     parts.append(_header(found, "assistant", len(messages)) if generation else found.closing)
     return "".join(parts)
 
@@ -174,8 +174,10 @@ def _end_of_turn(tokenizer: Any, ending: str) -> str:
 
 
 def _probes(system: bool) -> list[tuple[list[Message], bool]]:
+    """Conversations the format must render as the template does (an answer starting in lower case: a header
+    that runs into its content then tokenizes otherwise, which the text alone would not show)."""
     chat: list[Message] = [{"role": "user", "content": "What is 2 + 3?"},
-                           {"role": "assistant", "content": "2 + 3 = 5.\nAnything else?"},
+                           {"role": "assistant", "content": "sure, 2 + 3 = 5.\nAnything else?"},
                            {"role": "user", "content": "No, thanks!"},
                            {"role": "assistant", "content": "Bye."}]
     probes = [(chat[:2], False), (chat[:3], True), (chat, False)]
@@ -203,6 +205,11 @@ class ChatTemplateRenderer(Renderer):
         if len(stop) != 1:
             raise RendererError(f"the chat template's end-of-turn {self.format.stop!r} is not one token")
         self._stop_token = stop[0]
+        for messages, _ in _probes(self.format.system_preamble is not None):  # the format's text held: now tokens
+            ours = self.build_supervised_example(messages, TrainOnWhat.ALL_MESSAGES)[0].to_ints()
+            theirs = self.codec.encode_template(tokenizer.apply_chat_template(messages, tokenize=False))
+            _require(ours == theirs, f"its tokens for {[m['role'] for m in messages]} differ from the template's "
+                                     "(a tokenizer that marks word starts, as SentencePiece's '▁', at each piece?)")
 
     def render_message(self, message: Message, ctx: RenderContext) -> RenderedMessage:
         role, text = message["role"], message["content"]
@@ -212,7 +219,7 @@ class ChatTemplateRenderer(Renderer):
         if role == "system" and ctx.idx:
             raise RendererError(f"{self.name}: a system message comes first (message {ctx.idx} is one)")
         header = [template(_header(self.format, role, ctx.idx))]
-        body = self.format.leads[role] + (text.strip() if self.format.strips else text)
+        body = self.format.leads.get(role, "") + (text.strip() if self.format.strips else text)
         ending = self.format.endings[role]
         # trained up to the end-of-turn token where the ending starts with it (an assistant's always does)
         cut = len(self.format.stop) if ending.lstrip().startswith(self.format.stop) else 0
@@ -229,4 +236,4 @@ class ChatTemplateRenderer(Renderer):
 
     def parse_response(self, tokens: Sequence[int]) -> tuple[Message, ParseTermination]:
         text, termination = parse_for_stop_token(tokens, self.codec, self._stop_token)
-        return {"role": "assistant", "content": text.removeprefix(self.format.leads["assistant"])}, termination
+        return {"role": "assistant", "content": text.removeprefix(self.format.leads.get("assistant", ""))}, termination

@@ -27,6 +27,8 @@ MISTRAL = ("{{ bos_token }}{% for message in messages %}{% if message['role'] ==
 PHI3 = ("{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
         "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
 NUMBERED = "{% for m in messages %}{{ loop.index ~ '. ' ~ m['role'] ~ ': ' ~ m['content'] ~ '<|im_end|>' }}{% endfor %}"
+GLUED = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + m['content'] + '<|im_end|>' }}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<|im_start|>assistant' }}{% endif %}")
 SPECIALS = {"gemma": ["<start_of_turn>", "<end_of_turn>"], "mistral": [], "phi3": ["<|user|>", "<|assistant|>",
                                                                                     "<|system|>", "<|end|>"]}
 
@@ -105,6 +107,9 @@ def test_a_system_message_the_template_cannot_write_is_refused_not_dropped(smoll
 def test_a_template_that_is_not_a_per_role_format_is_refused_when_built(smollm2_dir):
     tokenizer = _tokenizer(smollm2_dir, NUMBERED, [])
     with pytest.raises(RendererError, match="cannot read this tokenizer's chat template.*Choose a renderer by name"):
+        get_renderer("chat_template", tokenizer)
+    tokenizer.chat_template = GLUED  # a per-role format in text, but a content's first word merges with its header
+    with pytest.raises(RendererError, match=r"its tokens for \['user', 'assistant'\] differ from the template's"):
         get_renderer("chat_template", tokenizer)
     tokenizer.chat_template = None
     with pytest.raises(RendererError, match="needs a tokenizer with a chat template"):
