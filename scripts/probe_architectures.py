@@ -5,7 +5,8 @@ For each architecture (hidden 64, 2 layers, SmolLM2's tokenizer and vocabulary) 
 engine, ``--portable``: the portable path, and ``--gpu-path``: that path as a GPU runs it, with the written-out
 training layers and the static decoder, uncompiled), one line: the largest difference between
 the trainer's logprobs and the model's own forward on 20 tokens, between the sampler's logprobs and the trainer's
-on 8 sampled tokens, with a random LoRA on every adapted projection; or the error's first line. Run it after a
+on 8 sampled tokens, with a random LoRA on every adapted projection (the model's own forward runs on the weights
+the adapter merges into, merged as ``pipelines export --merged`` merges them); or the error's first line. Run it after a
 transformers upgrade, or to see whether a model family you bring is covered before downloading its weights:
 
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/probe_architectures.py               # all of ARCHITECTURES
@@ -40,7 +41,8 @@ _LATENT = dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_h
 _EXPERTS = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
 # model_type -> what its tiny config needs beyond COMMON (logit scales set away from 1 so that dropping one shows)
 ARCHITECTURES: dict[str, dict] = {
-    "llama": {}, "qwen2": {}, "qwen3": {}, "mistral": {}, "phi3": {}, "olmo2": {}, "olmo3": {}, "smollm3": {},
+    "llama": {}, "qwen2": {}, "qwen3": {}, "mistral": {}, "gemma2": {"head_dim": 16}, "gemma3_text": {"head_dim": 16},
+    "gpt_oss": {"head_dim": 16}, "phi3": {}, "olmo2": {}, "olmo3": {}, "smollm3": {},
     "gemma": {"head_dim": 16}, "gemma4_text": {}, "starcoder2": {}, "stablelm": {}, "gpt_neox": {}, "phi": {},
     "falcon": {}, "exaone4": {}, "glm4": {}, "apertus": {}, "arcee": {}, "ernie4_5": {}, "seed_oss": {},
     "granite": {"logits_scaling": 4.0, "residual_multiplier": 0.5, "embedding_multiplier": 3.0},
@@ -109,30 +111,20 @@ def _logprobs(engine: LocalEngine, tokens: np.ndarray) -> np.ndarray:
 
 
 def _merged_reference(path: Path, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """The model as saved with the adapter merged into its weights (W + s·B·A; experts' gate, up, down rows)."""
+    """The model as saved with the adapter merged into its weights, the way ``pipelines export --merged`` merges
+    it: written in peft's form, converted as exports convert it, merged by the export's own code."""
     from transformers import AutoModelForCausalLM
 
-    from localtinker.engine.lora import LORA_ALPHA
+    from localtinker.engine.peft_export import write_peft_adapter
+    from resources.hf_export.merge import merge_into
+    from resources.hf_export.tinker_format import base_layout, convert_tinker_adapter
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    params, scaling = dict(model.named_parameters()), LORA_ALPHA / 4
-    with torch.no_grad():
-        for key, a in weights.items():
-            if not key.endswith(".lora_A"):
-                continue
-            module, b = key.removesuffix(".lora_A"), weights[key.removesuffix("lora_A") + "lora_B"]
-            if a.dim() == 2:
-                linear = model.get_submodule(module)
-                linear.weight = torch.nn.Parameter(linear.weight.detach() + scaling * b @ a)
-                continue
-            holder, projection = module.rsplit(".", 1)
-            delta = scaling * torch.bmm(b, a)
-            if projection == "down_proj":
-                params[f"{holder}.down_proj"].add_(delta)
-            else:
-                rows = delta.shape[1]
-                gate_up = params[f"{holder}.gate_up_proj"]
-                (gate_up[:, :rows] if projection == "gate_proj" else gate_up[:, rows:]).add_(delta)
+    if weights:
+        adapter = Path(tempfile.mkdtemp(prefix="probe-adapter-"))
+        write_peft_adapter(adapter, weights, str(path), LoraSpec(rank=4, seed=0))
+        convert_tinker_adapter(adapter, base_layout(str(path)))
+        merge_into(model, adapter, str(path))
     return model
 
 

@@ -191,7 +191,7 @@ DATA_CASES = [
     DagsterCase("comparison_without_rejected", "preference_comparisons", {"source": f"{FILE}/half_pair.jsonl"},
                 r"half_pair\.jsonl line 1: .*rejected", _write("half_pair.jsonl", _lines({"prompt": "q", "chosen": "a"}))),
     DagsterCase("unknown_renderer", "rendered_tokens", {"renderer": "nope"},
-                r"rendered_tokens: unknown renderer 'nope'; known renderers: chatml"),
+                r"rendered_tokens: unknown renderer 'nope'; known renderers: chat_template, chatml"),
     DagsterCase("unknown_train_on_what", "rendered_tokens", {"train_on_what": "everything"},
                 r"unknown train_on_what 'everything'; expected one of last_assistant_message"),
     DagsterCase("max_length_zero", "rendered_tokens", {"max_length": 0},

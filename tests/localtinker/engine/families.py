@@ -21,8 +21,8 @@ _COMMON = dict(
 
 def _configs() -> dict[str, object]:
     from transformers import (
-        Cohere2Config, DeepseekV3Config, FalconConfig, Phi3Config, Gemma2Config, Gemma3TextConfig, GptOssConfig, GraniteConfig,
-        LlamaConfig, MiniCPM3Config, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
+        Cohere2Config, DeepseekV3Config, FalconConfig, Gemma2Config, Gemma3TextConfig, GptOssConfig, GraniteConfig,
+        LlamaConfig, MiniCPM3Config, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
     )
 
     return {

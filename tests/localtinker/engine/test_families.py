@@ -105,12 +105,12 @@ def test_sliding_windows_on_the_gpu_path(family, tmp_path):
 def test_models_brought_from_the_hub_equal_their_own_forward(family, tmp_path):
     """Beyond the families Tinker hosts, one of each kind of difference: Granite divides its logits by 4 and
     Cohere 2 multiplies them by 1/4 (folded into the final norm at load: output_head.py); MiniCPM3 (which also
-    scales its logits) and DeepSeek-V3 attend through low-rank latents (DeepSeek-V3 with routed and shared
-    experts behind a dense layer); Falcon's attention modules bypass
-    transformers' attention interface; Phi-3's projections are fused (qkv, gate/up) under names of its own. On
-    the CPU's default engine each trains and samples as its own forward,
-    its LoRA gradients are peft's on the model as saved (an exported adapter is the one trained), and the last
-    three, which the CPU path's attention does not cover, run the portable path."""
+    scales its logits) and DeepSeek-V3 (a dense layer, then routed and shared experts) attend through low-rank
+    latents; Falcon's attention modules bypass transformers' attention interface; Phi-3's projections are fused
+    (qkv, gate/up) under names of its own. On the CPU's default engine each trains and samples as its own
+    forward, every projection carries LoRA, its LoRA gradients are peft's on the model as saved (an exported
+    adapter, loaded by plain peft, is the one trained), and the four the CPU path's attention does not cover
+    (Cohere 2's sliding layer, latent attention, Falcon's own modules) run the portable path."""
     engine = LocalEngine(tmp_path / "engine", dtype="float32")
     if family in ("phi3", "falcon", "deepseek_v3_moe"):  # every projection of theirs carries LoRA, not o_proj alone
         engine.create_model("names", str(family_dir(family)), LORA)
@@ -133,9 +133,9 @@ def test_models_brought_from_the_hub_equal_their_own_forward(family, tmp_path):
 def test_expert_lora_equals_the_weights_it_merges_into(family, tmp_path):
     """An MoE adapter as the weights it stands for: every linear's W + s·B·A and every expert's gate, up and down
     rows + s·B_e·A_e (s the adapter's alpha / rank, as tinker-cookbook merges them), merged into the model as
-    saved, give the engine's logprobs. Qwen3-MoE (also checked against peft above) shows the reference right;
-    DeepSeek-V3's routed experts (grouped top-k with a score-correction bias, shared experts beside them) are
-    not a layout peft's conversion of the adapter reaches, so this is their reference."""
+    saved, give the engine's logprobs: a reference independent of peft and of the export's conversion, for
+    Qwen3-MoE and DeepSeek-V3 (grouped top-k routing with a score-correction bias, shared experts beside the
+    routed ones, a dense first layer)."""
     engine = LocalEngine(tmp_path / "engine", dtype="float32")
     directory = str(family_dir(family))
     engine.create_model("moe", directory, LORA)
