@@ -2,9 +2,9 @@
 
 ``<model>`` is a base model name (``tinker/HuggingFaceTB/SmolLM2-135M-Instruct``) or a checkpoint's sampler
 weights (``tinker/tinker://<run>/sampler_weights/<name>``). The conversation is rendered to tokens by our
-renderer (``renderer=`` model arg, default ``chatml``), sampled with ``SamplingClient.sample`` and parsed
-back by the same renderer, exactly as training rendered it — the same code against hosted Tinker and
-localtinker, since both speak the SDK's protocol.
+renderer (``renderer=`` model arg, default ``auto``: the tokenizer's family, else its own chat template), sampled
+with ``SamplingClient.sample`` and parsed back by the same renderer, exactly as training rendered it — the same
+code against hosted Tinker and localtinker, since both speak the SDK's protocol.
 
 Each inspect sample awaits its own request, and inspect runs up to ``max_connections`` of them at
 once (64 by default here), so a localtinker server receives them together and batches them in its
