@@ -115,9 +115,9 @@ def load_base_model(name: str, dtype: str, device: torch.device | None = None, p
     device = torch.device("cpu") if device is None else device
     source = resolve_model_dir(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
         config = AutoConfig.from_pretrained(source)
         refuse_recurrent_layers(name, config)
+        tokenizer = AutoTokenizer.from_pretrained(source)
         placement = {"device_map": str(device)} if device.type != "cpu" else {}
         check_weights_fit(name, config, DTYPES[dtype], device)  # before reading any weight (model_memory.py)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], **placement, **load_options(config))
