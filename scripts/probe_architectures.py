@@ -54,6 +54,8 @@ ARCHITECTURES: dict[str, dict] = {
                   "shared_expert_intermediate_size": 32},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     "deepseek_v2": {**_LATENT, **_EXPERTS}, "deepseek_v3": {**_LATENT, **_EXPERTS, "n_group": 1, "topk_group": 1},
+    "gpt_bigcode": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 4096}, "gpt2": {"n_embd": 64, "n_layer": 2,
+                                                                                             "n_head": 4},
     "falcon_h1": {"lm_head_multiplier": 0.25}, "qwen3_next": {}, "granitemoehybrid": {}, "llama4_text": {},
 }
 

@@ -27,12 +27,13 @@ from localtinker.engine.merged_lora import forget_layers, lora_layers, merged_ou
 # The projections each of Tinker's groups adapts, by module name (peft matches a module whose name ends with one):
 # the Llama family's (SmolLM2, Llama, Qwen2/3, Mistral, Gemma, Granite, Cohere, OLMo, ...), then the other
 # families' own: Phi-3's fused qkv and gate/up, latent attention's down and up projections (DeepSeek-V2/V3,
-# MiniCPM3), Falcon's and GPT-NeoX's fused qkv, attention output and MLP, Phi-2's MLP. A group whose layers
-# have none of these is refused when asked for (AdapterHost.add_adapter), never trained in part silently.
+# MiniCPM3), Falcon's and GPT-NeoX's fused qkv, attention output and MLP, Phi-2's and StarCoder2's MLP. An adapter
+# that leaves a projection of a group it trains without LoRA, or gives one to a group it does not train (GPT-2's
+# attention also has a c_proj), is refused (AdapterHost.add_adapter, misadapted_projections).
 ATTENTION_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "q_a_proj", "q_b_proj",
                                       "kv_a_proj_with_mqa", "kv_b_proj", "query_key_value", "dense")
 MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "dense_h_to_4h", "dense_4h_to_h",
-                                "fc1", "fc2")
+                                "fc1", "fc2", "c_fc", "c_proj")
 UNEMBED_MODULES: tuple[str, ...] = ("lm_head",)
 LORA_ALPHA = 32  # Tinker's convention: scaling = alpha / rank.
 
@@ -107,15 +108,18 @@ class AdapterHost:
                 f"LoRA target modules {config.target_modules} match no layer of this base model; only "
                 "Llama-style projection names (q_proj, gate_proj, lm_head, ...) are supported."
             )
-        untrained = untrained_projections(self.model, spec, name)
-        if untrained:
+        untrained, unasked = misadapted_projections(self.model, spec, name)
+        if untrained or unasked:
             self.delete_adapter(name)
+            what = "; ".join(part for part in (
+                f"untrained: {', '.join(untrained)}" if untrained else "",
+                f"adapted though their group was not asked for: {', '.join(unasked)}" if unasked else "") if part)
             raise EngineUserError(
-                f"LoRA would leave projections of this {text_config(self.model.config).model_type!r} model's layers "
-                f"untrained: {', '.join(untrained)}. localtinker adapts projections by name (attention: "
-                f"{', '.join(ATTENTION_MODULES)}; MLP: {', '.join(MLP_MODULES)}) and trains no group in part. Create "
-                "the training client with train_attn=False or train_mlp=False for that group, or use a model whose "
-                "projections have these names."
+                f"LoRA would train this {text_config(self.model.config).model_type!r} model's layers in part ({what}). "
+                f"localtinker adapts projections by name (attention: {', '.join(ATTENTION_MODULES)}; MLP: "
+                f"{', '.join(MLP_MODULES)}) and trains a group whole or not at all. Create the training client with "
+                "train_attn=False or train_mlp=False for that group, or use a model whose projections have these "
+                "names."
             )
         self._active = None  # peft may have changed the active adapter
         self._layouts[name] = _layout(spec)
@@ -207,35 +211,38 @@ _MLP_BLOCKS = ("mlp", "feed_forward", "block_sparse_moe", "ffn")
 _LORA_PARTS = frozenset({"base_layer", "lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"})
 
 
-def untrained_projections(model: torch.nn.Module, spec: LoraSpec, name: str) -> list[str]:
-    """The linears of the groups ``spec`` trains (each decoder layer's attention and MLP blocks) that adapter
-    ``name`` leaves without LoRA, by their path in the layer (``mlp.c_fc``): a family whose projections have
-    names :data:`ATTENTION_MODULES` / :data:`MLP_MODULES` lack would otherwise train in part, silently. An
-    MoE's router and a shared expert's scalar gate (names ending in ``gate`` or ``router``) take none, as on
-    hosted Tinker; fused experts are expert_lora.py's, not linears."""
+def misadapted_projections(model: torch.nn.Module, spec: LoraSpec, name: str) -> tuple[list[str], list[str]]:
+    """(the linears of the groups ``spec`` trains that adapter ``name`` leaves without LoRA, the linears of the
+    groups it does not train that it adapts), by their path in the layer (``mlp.c_fc``), over each decoder layer's
+    attention and MLP blocks: a family whose projection names :data:`ATTENTION_MODULES` / :data:`MLP_MODULES`
+    lack, or share between its groups, would otherwise train in part, silently. An MoE's router and a shared
+    expert's scalar gate (names ending in ``gate`` or ``router``) take none, as on hosted Tinker; fused experts are
+    expert_lora.py's, not linears."""
     decoder = model.get_decoder()
     layers = next((child for child in decoder.children() if isinstance(child, torch.nn.ModuleList)), ())
-    blocks = (_ATTENTION_BLOCKS if spec.train_attn else ()) + (_MLP_BLOCKS if spec.train_mlp else ())
+    groups = ((_ATTENTION_BLOCKS, spec.train_attn), (_MLP_BLOCKS, spec.train_mlp))
     untrained: dict[str, None] = {}
+    unasked: dict[str, None] = {}
     for layer in layers:
-        for block_name in blocks:
-            block = getattr(layer, block_name, None)
-            if not isinstance(block, torch.nn.Module):
-                continue
-            for path, module in block.named_modules():
-                parts = path.split(".")
-                if _LORA_PARTS & set(parts) or parts[-1].endswith(("gate", "router")):
+        for blocks, asked in groups:
+            for block_name in blocks:
+                block = getattr(layer, block_name, None)
+                if not isinstance(block, torch.nn.Module):
                     continue
-                lora_a = getattr(module, "lora_A", None)
-                if isinstance(lora_a, torch.nn.ModuleDict):
-                    adapted = name in lora_a
-                elif type(module) is torch.nn.Linear or type(module).__name__ == "Conv1D":  # GPT-2's linears
-                    adapted = False
-                else:
-                    continue
-                if not adapted:
-                    untrained[f"{block_name}.{path}"] = None
-    return list(untrained)
+                for path, module in block.named_modules():
+                    parts = path.split(".")
+                    if _LORA_PARTS & set(parts) or parts[-1].endswith(("gate", "router")):
+                        continue
+                    lora_a = getattr(module, "lora_A", None)
+                    if isinstance(lora_a, torch.nn.ModuleDict):
+                        adapted = name in lora_a
+                    elif type(module) is torch.nn.Linear or type(module).__name__ == "Conv1D":  # GPT-2's linears
+                        adapted = False
+                    else:
+                        continue
+                    if adapted != asked:
+                        (untrained if asked else unasked)[f"{block_name}.{path}"] = None
+    return list(untrained), list(unasked)
 
 
 def _named_in(model: torch.nn.Module, targets: Any) -> bool:

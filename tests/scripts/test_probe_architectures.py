@@ -23,5 +23,5 @@ def test_the_probe_measures_a_family_it_covers_and_names_why_it_refuses_one(tmp_
     assert line.endswith("CPU path, 8 projection names adapted")
     reference = probe_architectures._merged_reference(tmp_path / "granite", {})  # no adapter: the model as saved
     assert reference.config.logits_scaling == 4.0  # the fold is the engine's, in memory, never the files'
-    with pytest.raises(EngineUserError, match=r"untrained: mlp\.c_fc, mlp\.c_proj"):
-        probe_architectures.probe(probe_architectures.build("starcoder2", tmp_path), portable=True)
+    with pytest.raises(EngineUserError, match=r"untrained: attn\.c_attn"):
+        probe_architectures.probe(probe_architectures.build("gpt_bigcode", tmp_path), portable=True)

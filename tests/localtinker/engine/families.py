@@ -23,6 +23,7 @@ def _configs() -> dict[str, object]:
     from transformers import (
         Cohere2Config, DeepseekV3Config, FalconConfig, Gemma2Config, Gemma3TextConfig, GptOssConfig, GraniteConfig,
         LlamaConfig, MiniCPM3Config, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
+        Starcoder2Config,
     )
 
     return {
@@ -73,6 +74,8 @@ def _configs() -> dict[str, object]:
                                             n_group=1, topk_group=1, tie_word_embeddings=False),
         # fused qkv and gate/up projections (LoRA names of its own)
         "phi3": Phi3Config(**_COMMON, tie_word_embeddings=False),
+        # an MLP of c_fc / c_proj (a name GPT-2's attention also has: lora.misadapted_projections), biases
+        "starcoder2": Starcoder2Config(**_COMMON, tie_word_embeddings=True),
     }
 
 
@@ -80,7 +83,8 @@ FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "ge
 SLIDING_FAMILIES: tuple[str, ...] = ("mistral_sliding", "qwen2_sliding")  # families above, with a window of 8
 # Beyond the families Tinker hosts: each one a kind of difference the engine must handle (output_head.py,
 # families.multi_latent_attention, attention.takes_engine_attention)
-BROUGHT_FAMILIES: tuple[str, ...] = ("granite", "cohere2", "minicpm3", "deepseek_v3_moe", "falcon", "phi3")
+BROUGHT_FAMILIES: tuple[str, ...] = ("granite", "cohere2", "minicpm3", "deepseek_v3_moe", "falcon", "phi3",
+                                     "starcoder2")
 _JITTERED = ("norm", "sinks", "bias")  # parameters that start at exactly 1 or 0 (biases and sinks: gpt-oss's only)
 
 

@@ -107,21 +107,24 @@ def test_models_brought_from_the_hub_equal_their_own_forward(family, tmp_path):
     Cohere 2 multiplies them by 1/4 (folded into the final norm at load: output_head.py); MiniCPM3 (which also
     scales its logits) and DeepSeek-V3 (a dense layer, then routed and shared experts) attend through low-rank
     latents; Falcon's attention modules bypass transformers' attention interface; Phi-3's projections are fused
-    (qkv, gate/up) under names of its own. On the CPU's default engine each trains and samples as its own
-    forward, every projection carries LoRA, its LoRA gradients are peft's on the model as saved (an exported
-    adapter, loaded by plain peft, is the one trained), and the four the CPU path's attention does not cover
-    (Cohere 2's sliding layer, latent attention, Falcon's own modules) run the portable path."""
+    (qkv, gate/up) and StarCoder2's MLP is c_fc / c_proj, names of their own. On the CPU's default engine each
+    trains and samples as its own forward, every projection carries LoRA, its LoRA gradients are peft's on the
+    model as saved (an exported adapter, loaded by plain peft, is the one trained), and the four the CPU path's
+    attention does not cover (Cohere 2's sliding layer, latent attention, Falcon's own modules) run the portable
+    path."""
     engine = LocalEngine(tmp_path / "engine", dtype="float32")
-    if family in ("phi3", "falcon", "deepseek_v3_moe"):  # every projection of theirs carries LoRA, not o_proj alone
+    if family in ("phi3", "falcon", "deepseek_v3_moe", "starcoder2"):  # every projection carries LoRA
         engine.create_model("names", str(family_dir(family)), LORA)
         keys = list(engine.lora_weights("names"))
         adapted = {key.rsplit(".", 2)[-2] for key in keys}
         engine.unload_model("names")
         if family == "deepseek_v3_moe":  # the dense layer's MLP, the shared experts and the routed ones
-            assert {"layers.0.mlp.gate_proj", "layers.1.mlp.shared_experts.gate_proj", "layers.1.mlp.experts.gate_proj"} \
-                <= {key.split("model.", 1)[-1].rsplit(".", 1)[0] for key in keys}
+            adapted_paths = {key.split("model.", 1)[-1].rsplit(".", 1)[0] for key in keys}
+            assert {"layers.0.mlp.gate_proj", "layers.1.mlp.shared_experts.gate_proj",
+                    "layers.1.mlp.experts.gate_proj"} <= adapted_paths
         assert adapted >= {"phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
                            "falcon": {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"},
+                           "starcoder2": {"q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"},
                            "deepseek_v3_moe": {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
                                                "gate_proj", "up_proj", "down_proj"}}[family]
     check_family(engine, family, TOLERANCE, tmp_path)

@@ -97,26 +97,28 @@ def test_a_convolutions_weight_is_not_taken_for_fused_experts():
 
 
 def test_a_family_whose_projections_have_other_names_is_refused_rather_than_trained_in_part(tmp_path):
-    """StarCoder2's MLP is ``c_fc`` / ``c_proj``, names localtinker does not adapt: an adapter with the MLP
-    would train its attention alone. It is refused naming them, and nothing of it stays; without the MLP group
-    the same model trains."""
-    from transformers import AutoTokenizer, Starcoder2Config, Starcoder2ForCausalLM
+    """GPT-BigCode's attention is ``c_attn`` (no name localtinker adapts) and ``c_proj``, a name its MLP also has
+    (and StarCoder2's MLP, which trains whole): an adapter with the attention group would leave ``c_attn`` out,
+    one with the MLP group alone would adapt the attention's ``c_proj`` too. Both are refused naming them, and
+    nothing of them stays; the unembedding alone trains."""
+    from transformers import AutoTokenizer, GPTBigCodeConfig, GPTBigCodeForCausalLM
 
     from localtinker.engine.packaged import smollm2_hf_dir
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_hf_dir())
-    config = Starcoder2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id)
-    Starcoder2ForCausalLM(config).save_pretrained(tmp_path / "starcoder2")
-    tokenizer.save_pretrained(tmp_path / "starcoder2")
+    config = GPTBigCodeConfig(vocab_size=49152, n_embd=64, n_layer=2, n_head=4, n_positions=4096,
+                              pad_token_id=tokenizer.pad_token_id)
+    GPTBigCodeForCausalLM(config).save_pretrained(tmp_path / "bigcode")
+    tokenizer.save_pretrained(tmp_path / "bigcode")
     engine = LocalEngine(tmp_path / "engine", dtype="float32")
-    with pytest.raises(EngineUserError, match=r"'starcoder2' model's layers untrained: mlp\.c_fc, mlp\.c_proj\..*"
-                                              r"train_mlp=False"):
-        engine.create_model("m", str(tmp_path / "starcoder2"), LoraSpec(rank=4, seed=0))
+    with pytest.raises(EngineUserError, match=r"'gpt_bigcode' model's layers in part \(untrained: attn\.c_attn\)"):
+        engine.create_model("m", str(tmp_path / "bigcode"), LoraSpec(rank=4, seed=0))
+    with pytest.raises(EngineUserError, match=r"adapted though their group was not asked for: attn\.c_proj\).*"
+                                              r"train_attn=False or train_mlp=False"):
+        engine.create_model("m", str(tmp_path / "bigcode"), LoraSpec(rank=4, seed=0, train_attn=False))
     assert "m" not in engine._models
-    engine.create_model("m", str(tmp_path / "starcoder2"), LoraSpec(rank=4, seed=0, train_mlp=False))
-    adapted = {key.rsplit(".", 2)[-2] for key in engine.lora_weights("m")}
-    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "lm_head"}
+    engine.create_model("m", str(tmp_path / "bigcode"), LoraSpec(rank=4, seed=0, train_attn=False, train_mlp=False))
+    assert {key.rsplit(".", 2)[-2] for key in engine.lora_weights("m")} == {"lm_head"}
 
 
 def test_a_model_whose_decoder_is_the_causal_lm_itself_is_refused(monkeypatch):
