@@ -105,8 +105,8 @@ class AdapterHost:
         if not self.parameters(name):
             self.delete_adapter(name)
             raise EngineUserError(
-                f"LoRA target modules {config.target_modules} match no layer of this base model; only "
-                "Llama-style projection names (q_proj, gate_proj, lm_head, ...) are supported."
+                f"LoRA target modules {sorted(config.target_modules)} match no layer of this base model; "
+                "localtinker adapts projections by these names only."
             )
         untrained, unasked = misadapted_projections(self.model, spec, name)
         if untrained or unasked:

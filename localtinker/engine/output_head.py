@@ -92,9 +92,10 @@ def fold_logit_multiplier(model: torch.nn.Module) -> float:
     if multiplier.through is not None:
         target, source = multiplier.through
         setattr(text_config(model.config), target, getattr(text_config(model.config), source))
-    for owner in _owners(model):
-        if multiplier.through is None and getattr(owner, multiplier.attribute, None) is not None:
-            setattr(owner, multiplier.attribute, 1.0)
+    else:
+        for owner in _owners(model):
+            if getattr(owner, multiplier.attribute, None) is not None:
+                setattr(owner, multiplier.attribute, 1.0)
     if logit_multiplier(model) != 1.0:
         raise RuntimeError(f"{multiplier} was folded but the model still reads {logit_multiplier(model)}")
     return factor

@@ -328,6 +328,9 @@ class _Batch:
         return [None, *values.tolist()]
 
 
+_MEASURED = "_localtinker_cache_bytes_per_token"  # on a base model: its measured cache bytes per token
+
+
 def cache_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of keys and values one token holds in the sampler's cache of ``model``: each layer's k and v
     projections' outputs, in the model's dtype (as the static decoder and the dynamic cache keep them). Where a
@@ -346,6 +349,9 @@ def cache_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 def _measured_cache_bytes_per_token(model: torch.nn.Module, tokens: int = 2) -> int:
+    """Measured once per model (a property of the base model, asked again for each sampler's weights)."""
+    if _MEASURED in model.__dict__:
+        return model.__dict__[_MEASURED]
     device = model.get_output_embeddings().weight.device
     with torch.no_grad():
         cache = model(input_ids=torch.zeros(1, tokens, dtype=torch.long, device=device), use_cache=True,
@@ -353,6 +359,7 @@ def _measured_cache_bytes_per_token(model: torch.nn.Module, tokens: int = 2) -> 
     held = sum(tensor.nbytes for layer in cache.layers for tensor in (getattr(layer, "keys", None),
                                                                          getattr(layer, "values", None))
                if isinstance(tensor, torch.Tensor))
+    model.__dict__[_MEASURED] = held // tokens
     return held // tokens
 
 

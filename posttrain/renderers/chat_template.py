@@ -48,10 +48,12 @@ class TemplateFormat:
     strips: bool  # the template strips each content of surrounding whitespace
     closing: str = ""  # written after a finished conversation, not before a generation prompt (Phi-3's EOS)
     leads: dict[str, str] = field(default_factory=dict)  # role -> spaces its header ends with, kept with the content
+    generation_prompt: str = ""  # what the template itself writes for add_generation_prompt
 
 
 def read_format(tokenizer: Any) -> TemplateFormat:
-    """The format of ``tokenizer``'s chat template, or :class:`RendererError` saying why it is not one."""
+    """The format of ``tokenizer``'s chat template, or :class:`RendererError` where even the sentinel
+    conversations show it is not one (:class:`ChatTemplateRenderer` checks it on other conversations)."""
     if not getattr(tokenizer, "chat_template", None):
         raise RendererError("renderer 'chat_template' needs a tokenizer with a chat template; this one has none")
     s, u, u2, a = (_SENTINELS[key] for key in ("system", "user", "user2", "assistant"))
@@ -112,27 +114,8 @@ def read_format(tokenizer: Any) -> TemplateFormat:
     # generation prompt without them leaves the answer's first token (" Hello") to the model.
     leads = {role: header[len(header.rstrip(" ")):] for role, header in headers.items()}
     headers = {role: header.rstrip(" ") for role, header in headers.items()}
-    found = TemplateFormat(preamble, system_preamble, headers, endings, stop, strips, closing, leads)
-    for messages, generation in _probes(found.system_preamble is not None):
-        ours = found_render(found, messages, generation)
-        theirs = render([(m["role"], m["content"]) for m in messages], generation)
-        if generation:  # ours: the template's generation prompt and what it writes before an answer, less spaces
-            _require(theirs.endswith(prompt[len(one):]), "its generation prompt depends on the conversation")
-            theirs = theirs[:len(theirs) - len(prompt) + len(one)] + assistant_header.rstrip(" ")
-        _require(ours == theirs, f"it renders {[m['role'] for m in messages]} otherwise than a per-role format: "
-                                 f"{theirs!r} where the format reads {ours!r}")
-    return found
-
-
-def found_render(found: TemplateFormat, messages: Sequence[Message], generation: bool = False) -> str:
-    """The text :class:`TemplateFormat` gives a conversation (what the renderer's pieces concatenate to)."""
-    parts = []
-    for index, message in enumerate(messages):
-        role, text = message["role"], message["content"]
-        body = text.strip() if found.strips else text
-        parts += [_header(found, role, index), found.leads.get(role, "") + body, found.endings[role]]
-    parts.append(_header(found, "assistant", len(messages)) if generation else found.closing)
-    return "".join(parts)
+    return TemplateFormat(preamble, system_preamble, headers, endings, stop, strips, closing, leads,
+                          generation_prompt=prompt[len(one):])
 
 
 def _closing(tokenizer: Any, finished: str, prompted: str) -> str:
@@ -205,11 +188,28 @@ class ChatTemplateRenderer(Renderer):
         if len(stop) != 1:
             raise RendererError(f"the chat template's end-of-turn {self.format.stop!r} is not one token")
         self._stop_token = stop[0]
-        for messages, _ in _probes(self.format.system_preamble is not None):  # the format's text held: now tokens
-            ours = self.build_supervised_example(messages, TrainOnWhat.ALL_MESSAGES)[0].to_ints()
-            theirs = self.codec.encode_template(tokenizer.apply_chat_template(messages, tokenize=False))
-            _require(ours == theirs, f"its tokens for {[m['role'] for m in messages]} differ from the template's "
-                                     "(a tokenizer that marks word starts, as SentencePiece's '▁', at each piece?)")
+        self._check(tokenizer)
+
+    def _check(self, tokenizer: Any) -> None:
+        """The probe conversations, rendered from this renderer's own pieces, against the template: text, then
+        tokens. A generation prompt is ours where it adds what the template writes before an answer (Mistral's
+        template has no generation prompt; its answers follow a space, which goes with the answer's content)."""
+        found = self.format
+        for messages, generation in _probes(found.system_preamble is not None):
+            roles = [m["role"] for m in messages]
+            theirs = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+            if generation:
+                _require(theirs.endswith(found.generation_prompt), "its generation prompt depends on the conversation")
+                theirs = theirs[:len(theirs) - len(found.generation_prompt)] + found.headers["assistant"]
+                pieces = self.generation_plan(messages)
+            else:
+                pieces = self.supervised_plan(messages, TrainOnWhat.ALL_MESSAGES).pieces
+            ours = "".join(piece.text for piece in pieces)
+            _require(ours == theirs, f"it renders {roles} otherwise than a per-role format: {theirs!r} where the "
+                                     f"format reads {ours!r}")
+            tokens = [token for piece_tokens in self._encode_one_by_one(pieces) for token in piece_tokens]
+            _require(tokens == self.codec.encode_template(theirs), f"its tokens for {roles} differ from the "
+                     "template's (a tokenizer that marks word starts, as SentencePiece's '▁', at each piece?)")
 
     def render_message(self, message: Message, ctx: RenderContext) -> RenderedMessage:
         role, text = message["role"], message["content"]
